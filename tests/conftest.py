@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny zoo models written to a temp folder, and odd ONNX files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ttrank import zoo
+
+os.environ.setdefault("TTRANK_CACHE", str(Path(__file__).parent.parent / ".pytest-cache-ttrank"))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_cnn(model_dir) -> Path:
+    return zoo.export("tiny_cnn", model_dir / "tiny_cnn.onnx")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(model_dir) -> Path:
+    return zoo.export("tiny_bert", model_dir / "tiny_bert.onnx")
+
+
+def paddle_style_model(path: Path) -> Path:
+    """A CNN with dynamic batch/height/width whose Reshape target is computed from Shape,
+    as Paddle2ONNX and torch.onnx exports produce: TVM's importer needs constant folding."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.2, (8, 3, 3, 3)).astype(np.float32), "w")
+    fcw = numpy_helper.from_array(rng.normal(0, 0.2, (8, 4)).astype(np.float32), "fcw")
+    idx0 = numpy_helper.from_array(np.array([0], np.int64), "idx0")
+    idx1 = numpy_helper.from_array(np.array([1], np.int64), "idx1")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+        helper.make_node("Shape", ["g"], ["s"]),
+        helper.make_node("Gather", ["s", "idx0"], ["n"], axis=0),
+        helper.make_node("Gather", ["s", "idx1"], ["ch"], axis=0),
+        helper.make_node("Concat", ["n", "ch"], ["newshape"], axis=0),
+        helper.make_node("Reshape", ["g", "newshape"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "fcw"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "paddle_style",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [w, fcw, idx0, idx1])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def paddle_style(model_dir) -> Path:
+    return paddle_style_model(model_dir / "paddle_style.onnx")
+
+
+@pytest.fixture(scope="session")
+def unsupported_op_model(model_dir) -> Path:
+    node = helper.make_node("Det", ["x"], ["y"])
+    graph = helper.make_graph([node], "det",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    path = model_dir / "det.onnx"
+    onnx.save(m, str(path))
+    return path

@@ -1,0 +1,138 @@
+"""Foundation: ONNX loading, kernels, the zoo, and the untuned compile+check, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from ttrank import engine, frontend, kernels, zoo
+from ttrank.cli import main
+from ttrank.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+
+
+def test_zoo_builds_every_network_deterministically():
+    for name in ("tiny_cnn", "tiny_bert", "tiny_mobilebert"):
+        a, b = zoo.build(name), zoo.build(name)
+        assert a.SerializeToString() == b.SerializeToString()
+        onnx.checker.check_model(a)
+    assert set(zoo.PAPER_NETWORKS) <= set(zoo.ZOO)
+
+
+def test_zoo_paper_networks_have_real_parameter_counts():
+    # parameter counts of the reference architectures (torchvision / HF), within 2%
+    expected = {"resnet18": 11.69e6, "mobilenetv2": 3.50e6, "mnasnet1_0": 4.38e6,
+                "efficientnetb0": 5.29e6, "googlenet": 6.62e6}
+    for name, n in expected.items():
+        m = zoo.build(name)
+        count = sum(int(np.prod(t.dims)) for t in m.graph.initializer if len(t.dims) >= 1)
+        assert abs(count - n) / n < 0.02, (name, count)
+
+
+def test_load_and_kernels_of_tiny_cnn(tiny_cnn):
+    model = frontend.load(tiny_cnn)
+    ks = kernels.extract(model.mod)
+    classes = {k.workload_class for k in ks}
+    assert "conv2d_nchw+add+relu" in classes
+    assert "conv2d_nchw+add+add+relu" in classes  # residual epilogue kept distinct
+    dw = [k for k in ks if k.anchor_op == "group_conv2d_nchw"]
+    assert dw and dw[0].attrs["depthwise"] and dw[0].attrs["stride"] == [2, 2]
+    # FLOPs of the convs: 2 * N*K*OH*OW*C*KH*KW (+ epilogue)
+    stem = next(k for k in ks if k.attrs.get("in_channels") == 3)
+    assert stem.flops >= 2 * 16 * 32 * 32 * 3 * 9
+
+
+def test_workload_class_ignores_model_counters():
+    assert kernels.class_of_task_name("fused_conv2d3_add3_relu2") == \
+        kernels.class_of_task_name("fused_conv2d7_add5_relu3") == "conv2d_add_relu"
+
+
+def test_kernels_json_cli(tiny_bert, capsys):
+    assert main(["kernels", str(tiny_bert), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    for key in ("name", "workload_class", "anchor_op", "shape", "flops", "weight"):
+        assert all(key in r for r in rows)
+    anchors = {r["anchor_op"] for r in rows}
+    assert {"matmul", "softmax_maxelem"} <= anchors or "matmul" in anchors
+    assert any(r["weight"] > 1 for r in rows)  # repeated layers share a kernel
+
+
+def test_compile_matches_onnxruntime(tiny_bert, tmp_path):
+    model = frontend.load(tiny_bert)
+    from ttrank.target import make_target
+
+    ex = engine.compile_model(model, make_target())
+    out = engine.export(ex, tmp_path / "m.so")
+    res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_compile_cli_writes_library(tiny_cnn, tmp_path, capsys):
+    assert main(["compile", str(tiny_cnn), "-o", str(tmp_path / "cnn.so")]) == 0
+    assert (tmp_path / "cnn.so").stat().st_size > 0
+    assert "OK" in capsys.readouterr().out
+
+
+# --- bad input: one clear message, non-zero exit, no traceback ---------------------------------
+
+def _run_err(args, capsys) -> tuple[int, str]:
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def test_not_onnx_file(tmp_path, capsys):
+    p = tmp_path / "notes.onnx"
+    p.write_text("this is not a model")
+    rc, err = _run_err(["kernels", str(p)], capsys)
+    assert rc == 2 and "not a valid ONNX file" in err
+
+
+def test_truncated_file(tiny_cnn, tmp_path, capsys):
+    p = tmp_path / "cut.onnx"
+    p.write_bytes(tiny_cnn.read_bytes()[:500])
+    rc, err = _run_err(["kernels", str(p)], capsys)
+    assert rc == 2 and "not a valid ONNX file" in err
+
+
+def test_missing_file(tmp_path, capsys):
+    rc, err = _run_err(["compile", str(tmp_path / "nope.onnx"), "-o", str(tmp_path / "x.so")], capsys)
+    assert rc == 2 and "no such file" in err
+
+
+def test_dynamic_dims_need_input_shape(tmp_path, capsys):
+    p = zoo.export("tiny_cnn", tmp_path / "dyn.onnx", dynamic=True)
+    rc, err = _run_err(["kernels", str(p)], capsys)
+    assert rc == 2 and "input" in err and "--input-shape input:" in err
+    with pytest.raises(DynamicShapeError):
+        frontend.load(p)
+    model = frontend.load(p, {"input": [1, 3, 32, 32]})
+    assert model.inputs[0].shape == [1, 3, 32, 32]
+
+
+def test_bad_input_shape_flag(tiny_cnn, capsys):
+    rc, err = _run_err(["kernels", str(tiny_cnn), "--input-shape", "nosuch:1,2"], capsys)
+    assert rc == 2 and "model's inputs are: input" in err
+    rc, err = _run_err(["kernels", str(tiny_cnn), "--input-shape", "input:1,3,x"], capsys)
+    assert rc == 2 and "integers" in err
+
+
+def test_unsupported_op_is_named(unsupported_op_model, capsys):
+    rc, err = _run_err(["kernels", str(unsupported_op_model)], capsys)
+    assert rc == 2 and "Det" in err
+    with pytest.raises(UnsupportedOpError):
+        frontend.load(unsupported_op_model)
+
+
+def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_style, tmp_path):
+    with pytest.raises(ModelLoadError):
+        frontend.load(paddle_style, {"x": [1, 3, 16, 16]}, simplify_graph="never")
+    model = frontend.load(paddle_style, {"x": [1, 3, 16, 16]})
+    assert model.simplified
+    from ttrank.target import make_target
+
+    compiled = engine.CompiledModel.from_executable(engine.compile_model(model, make_target()), model)
+    assert engine.check_against_onnxruntime(compiled, model).ok

@@ -1,0 +1,295 @@
+"""The ``ttrank`` command line: a thin layer over the library API."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from .errors import TTRankError
+
+log = logging.getLogger("ttrank")
+
+
+def _console():
+    from rich.console import Console
+
+    con = Console(stderr=False, highlight=False)
+    if not con.is_terminal:
+        # piped output: wide rows beat folded cells
+        con = Console(stderr=False, highlight=False, width=200)
+    return con
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+    # MetaSchedule prints a task table every batch; keep it for -v
+    for name in ("tvm", "tvm.s_tir.meta_schedule"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX file, or zoo:NAME for a zoo network")
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
+                   help="bind an input's dims (repeatable), e.g. input:1,3,224,224")
+    p.add_argument("--target", default=None,
+                   help="TVM target as a JSON dict (default: detected from this host)")
+
+
+def load_model_arg(spec: str, input_shapes: list[str]):
+    """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached)."""
+    from . import frontend, zoo
+
+    shapes = frontend.parse_input_shapes(input_shapes)
+    if spec.startswith("zoo:"):
+        name = spec[4:]
+        zoo.get(name)
+        path = zoo_cache_path(name)
+        if not path.exists():
+            zoo.export(name, path)
+        return frontend.load(path, shapes)
+    return frontend.load(spec, shapes)
+
+
+def zoo_cache_path(name: str) -> Path:
+    from .util import cache_dir
+
+    return cache_dir() / "zoo" / f"{name}.onnx"
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_zoo(args) -> int:
+    from . import zoo
+
+    con = _console()
+    if args.zoo_cmd == "list":
+        from rich.table import Table
+
+        t = Table("name", "family", "paper", "description")
+        for e in zoo.ZOO.values():
+            t.add_row(e.name, e.family, "yes" if e.name in zoo.PAPER_NETWORKS else "",
+                      e.description)
+        con.print(t)
+        return 0
+    path = zoo.export(args.name, args.out, dynamic=args.dynamic)
+    con.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def cmd_kernels(args) -> int:
+    from . import kernels
+    from .target import make_target
+
+    model = load_model_arg(args.model, args.input_shape)
+    ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
+    if args.json:
+        print(json.dumps([k.to_json() for k in ks], indent=1))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"{model.name}: {len(ks)} kernels", show_lines=False)
+    for col in ("name", "class", "anchor", "attrs", "extents", "GFLOPs", "weight"):
+        t.add_column(col, overflow="fold")
+    total = 0.0
+    for k in ks:
+        total += k.flops * k.weight
+        t.add_row(k.name, k.workload_class, k.anchor_op, _fmt_attrs(k.attrs),
+                  "x".join(map(str, k.extents)), f"{k.flops / 1e9:.4f}", str(k.weight))
+    con = _console()
+    con.print(t)
+    con.print(f"total: {total / 1e9:.3f} GFLOPs ({total / 2e9:.3f} G multiply-adds)")
+    return 0
+
+
+def _fmt_attrs(attrs: dict) -> str:
+    keys = ("kernel", "stride", "groups", "depthwise", "layout", "m", "n", "k", "batch")
+    parts = []
+    for key in keys:
+        if key in attrs and attrs[key] not in (None, False):
+            v = attrs[key]
+            parts.append(f"{key}={'x'.join(map(str, v)) if isinstance(v, list) else v}")
+    return " ".join(parts)
+
+
+def cmd_compile(args) -> int:
+    from . import engine
+    from .target import make_target
+
+    con = _console()
+    model = load_model_arg(args.model, args.input_shape)
+    target = make_target(args.target)
+    database = None
+    if args.database:
+        from .donors import open_database
+
+        database = open_database(args.database)
+    t0 = time.time()
+    ex = engine.compile_model(model, target, database)
+    con.print(f"compiled {model.name} in {time.time() - t0:.1f} s "
+              f"({'database ' + args.database if database else 'default CPU pipeline, untuned'})")
+    if not args.no_check:
+        compiled = engine.CompiledModel.from_executable(ex, model)
+        res = engine.check_against_onnxruntime(compiled, model)
+        con.print(f"check vs onnxruntime: max abs error {res.max_abs_error:.3g} "
+                  f"(max rel {res.max_rel_error:.3g}) over {res.outputs} output(s): "
+                  f"{'OK' if res.ok else 'MISMATCH'}")
+        if not res.ok:
+            raise engine.CheckError(f"compiled outputs differ from onnxruntime "
+                                    f"(max abs error {res.max_abs_error:.3g}); nothing written")
+        if args.time:
+            feed = model.random_inputs()
+            con.print(f"latency: ttrank/TVM {compiled.time_ms(feed):.2f} ms, "
+                      f"onnxruntime {engine.onnxruntime_time_ms(model, feed):.2f} ms")
+    out = engine.export(ex, args.output)
+    con.print(f"wrote {out}")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import tune
+    from .target import make_target
+
+    con = _console()
+    model = load_model_arg(args.model, args.input_shape)
+    target = make_target(args.target)
+    name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} trials"), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=con, transient=False,
+                  disable=args.no_progress) as bar:
+        job = bar.add_task(f"tune {name}", total=1, info="extracting kernels")
+
+        def on_progress(p: tune.TuneProgress) -> None:
+            est = p.estimated_ms()
+            left = ""
+            if p.budget_s:
+                left = f" | budget left {max(0.0, p.budget_s - (time.time() - p.started)) / 60:.1f} min"
+            cur = p.tasks[p.current].name if 0 <= p.current < len(p.tasks) else ""
+            bar.update(job, total=p.trials_total, completed=p.trials_done,
+                       info=f"tasks {p.tasks_done}/{len(p.tasks)} | {cur} | est. "
+                            f"{est:.2f} ms{left}" if est else f"tasks {p.tasks_done}/{len(p.tasks)}{left}")
+
+        prog = tune.tune(model.mod, args.out, trials_per_task=args.trials_per_task,
+                         budget_minutes=args.budget_minutes, target=target, model_name=name,
+                         injective_trials=args.injective_trials, seed=args.seed,
+                         on_progress=on_progress)
+    state = "complete" if prog.trials_done >= prog.trials_total else "partial (rerun to resume)"
+    con.print(f"{name}: {prog.trials_done}/{prog.trials_total} trials, {prog.tasks_done}/"
+              f"{len(prog.tasks)} kernels, search {prog.search_s:.0f} s, {state}; database in {args.out}")
+    return 0
+
+
+@contextlib.contextmanager
+def _native_stderr_captured(enabled: bool):
+    """TVM's C++ warnings write straight to fd 2; keep them in a log file unless -v."""
+    if not enabled:
+        yield
+        return
+    import tempfile
+
+    from .util import cache_dir
+
+    logdir = cache_dir() / "logs"
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(dir=logdir, prefix="native-stderr-", suffix=".log")
+    except OSError:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+        if failed:
+            print(f"ttrank: TVM's native log of this run: {path}", file=sys.stderr)
+        else:
+            os.unlink(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ttrank", description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("-v", "--verbose", action="count", default=0, help="show TVM logs (-vv: debug)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    z = sub.add_parser("zoo", help="the model zoo")
+    zs = z.add_subparsers(dest="zoo_cmd", required=True)
+    zs.add_parser("list", help="list zoo networks")
+    ze = zs.add_parser("export", help="write a zoo network as ONNX")
+    ze.add_argument("name")
+    ze.add_argument("out")
+    ze.add_argument("--dynamic", action="store_true", help="mark batch/spatial/sequence dims dynamic")
+    z.set_defaults(func=cmd_zoo)
+
+    k = sub.add_parser("kernels", help="list a model's kernels")
+    _add_model_args(k)
+    k.add_argument("--json", action="store_true", help="machine-readable output")
+    k.add_argument("--tunable", action="store_true", help="omit kernels that do no arithmetic")
+    k.set_defaults(func=cmd_kernels)
+
+    c = sub.add_parser("compile", help="compile and export a model (untuned, or with a database)")
+    _add_model_args(c)
+    c.add_argument("-o", "--output", required=True, help="output library (.so)")
+    c.add_argument("--database", help="a MetaSchedule JSONDatabase work_dir to apply")
+    c.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    c.add_argument("--time", action="store_true", help="also time TVM and onnxruntime")
+    c.set_defaults(func=cmd_compile)
+
+    t = sub.add_parser("tune", help="tune a model with MetaSchedule (resumable, budgeted)")
+    _add_model_args(t)
+    t.add_argument("--out", required=True, help="JSONDatabase work_dir (rerun to resume)")
+    t.add_argument("--trials-per-task", type=int, default=64)
+    t.add_argument("--injective-trials", type=int, default=None,
+                   help="trials for kernels that do no arithmetic (default: trials/8, at least 4)")
+    t.add_argument("--budget-minutes", type=float, default=None)
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--name", help="model name recorded in the manifest")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_tune)
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        with _native_stderr_captured(not args.verbose):
+            return int(args.func(args) or 0)
+    except TTRankError as e:
+        print(f"ttrank: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ttrank: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug, not bad input: one line, the traceback with -v
+        if args.verbose:
+            raise
+        msg = str(e).strip().splitlines()
+        print(f"ttrank: internal error: {type(e).__name__}: {msg[-1] if msg else ''} "
+              f"(rerun with -v for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The compilation target and the provenance of every measurement, detected from the host."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from functools import lru_cache
+from typing import Any
+
+from .errors import TTRankError
+
+
+@lru_cache(maxsize=1)
+def host_cpu_model() -> str:
+    """The CPU's marketing name (from /proc/cpuinfo), for provenance."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def host_mcpu() -> str:
+    """LLVM's name for the host CPU (e.g. znver3, emeraldrapids)."""
+    from tvm.target import codegen
+
+    return str(codegen.llvm_get_system_cpu())
+
+
+def host_cores() -> int:
+    """Physical cores available to this process (the runtime's thread count)."""
+    import psutil
+
+    try:
+        avail = len(os.sched_getaffinity(0))
+    except AttributeError:
+        avail = os.cpu_count() or 1
+    phys = psutil.cpu_count(logical=False) or avail
+    return max(1, min(avail, phys))
+
+
+def host_target_dict() -> dict[str, Any]:
+    return {"kind": "llvm", "mcpu": host_mcpu(), "num-cores": host_cores()}
+
+
+def parse_target(spec: str | dict | None) -> dict[str, Any]:
+    """A target dict from None (the host), a dict, a JSON string, or a path to a JSON file."""
+    if spec is None or spec == "" or spec == "host":
+        return host_target_dict()
+    if isinstance(spec, dict):
+        return dict(spec)
+    text = spec
+    if os.path.exists(spec):
+        with open(spec) as f:
+            text = f.read()
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        raise TTRankError(
+            f"--target must be a TVM target dict in JSON, e.g. "
+            f"'{{\"kind\": \"llvm\", \"mcpu\": \"cortex-a72\", \"mtriple\": \"aarch64-linux-gnu\"}}', "
+            f"got {spec!r}") from None
+    if not isinstance(d, dict) or "kind" not in d:
+        raise TTRankError("--target JSON must be an object with at least a \"kind\" key")
+    return d
+
+
+def make_target(spec: str | dict | None = None):
+    import tvm
+
+    d = parse_target(spec)
+    try:
+        return tvm.target.Target(d)
+    except Exception as e:
+        raise TTRankError(f"invalid target {json.dumps(d)}: {str(e).splitlines()[-1]}") from None
+
+
+def target_key(target) -> str:
+    """A stable string for a target, for matching records (ignores num-cores)."""
+    d = json.loads(str(target)) if not isinstance(target, dict) else dict(target)
+    return f"{d.get('kind')}/{d.get('mcpu', '')}/{d.get('mtriple', '')}"
+
+
+def provenance(target=None) -> dict[str, Any]:
+    """CPU, target, TVM version and date: attached to every measurement."""
+    import tvm
+
+    t = target if target is not None else make_target()
+    return {
+        "cpu": host_cpu_model(),
+        "mcpu": host_mcpu(),
+        "cores": host_cores(),
+        "target": str(t),
+        "tvm": tvm.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+    }

@@ -1,0 +1,279 @@
+"""``ttrank tune``: MetaSchedule tuning that is fast, budgeted, resumable and logged per trial.
+
+The output is a standard MetaSchedule JSONDatabase work_dir (database_workload.json,
+database_tuning_record.json), plus ``trials.jsonl`` (one line per measured trial with the
+cumulative search time, for convergence curves) and ``tune_manifest.json``.
+
+Resuming: tasks run one at a time, and each task's finished trials are counted from the
+database, so a rerun tunes only what is missing. A kill can leave a partial last line in a
+database file; :func:`repair_database` moves it aside (never dropping a whole line) first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tvm.ir.utils import derived_object
+from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+
+from .target import provenance, make_target
+from .util import append_jsonl, atomic_write_json, read_jsonl
+
+log = logging.getLogger("ttrank")
+
+WORKLOAD_FILE = "database_workload.json"
+RECORD_FILE = "database_tuning_record.json"
+TRIALS_FILE = "trials.jsonl"
+MANIFEST_FILE = "tune_manifest.json"
+FAILED_SECS = 1e9  # MetaSchedule records failed trials with 1e10 s
+
+
+def repair_database(work_dir: str | Path) -> list[str]:
+    """Move a torn last line of each database file to ``<file>.torn`` so the database loads."""
+    notes = []
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        path = Path(work_dir) / name
+        if not path.exists():
+            continue
+        data = path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1] if data else b""
+            if not last or _parses(last):
+                continue
+        head, _, tail = data.rstrip(b"\n").rpartition(b"\n")
+        if _parses(tail):
+            # complete line without a newline: only the terminator is missing
+            with open(path, "ab") as f:
+                f.write(b"\n")
+            continue
+        with open(str(path) + ".torn", "ab") as f:
+            f.write(tail + b"\n")
+        from .util import atomic_write_bytes
+
+        atomic_write_bytes(path, head + b"\n" if head else b"")
+        notes.append(f"{name}: moved a torn last line ({len(tail)} bytes) to {name}.torn")
+    return notes
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass
+class TaskProgress:
+    name: str
+    flops: float
+    weight: int
+    target_trials: int
+    done: int = 0
+    best_s: float | None = None
+
+
+@dataclass
+class TuneProgress:
+    """What a progress display needs; updated after every measured batch."""
+
+    tasks: list[TaskProgress] = field(default_factory=list)
+    current: int = -1
+    search_s: float = 0.0
+    started: float = field(default_factory=time.time)
+    budget_s: float | None = None
+
+    @property
+    def trials_done(self) -> int:
+        return sum(t.done for t in self.tasks)
+
+    @property
+    def trials_total(self) -> int:
+        return sum(t.target_trials for t in self.tasks)
+
+    @property
+    def tasks_done(self) -> int:
+        return sum(1 for t in self.tasks if t.done >= t.target_trials)
+
+    def estimated_ms(self) -> float | None:
+        """Sum of weight x best latency over the tasks that have a valid trial."""
+        vals = [t.weight * t.best_s for t in self.tasks if t.best_s is not None]
+        return 1e3 * sum(vals) if vals else None
+
+
+@derived_object
+class _TrialLogger(PyMeasureCallback):
+    """Appends one line per measured trial with the cumulative search time."""
+
+    def __init__(self, path: Path, task_name: str, workload_hash: str, clock: Callable[[], float],
+                 on_batch: Callable[[int, list[float | None]], None]):
+        super().__init__()
+        self.path = path
+        self.task_name = task_name
+        self.workload_hash = workload_hash
+        self.clock = clock
+        self.on_batch = on_batch
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        now = self.clock()
+        rows, lat = [], []
+        for b, r in zip(builder_results, runner_results):
+            secs = [float(s) for s in r.run_secs] if r.run_secs is not None else []
+            best = min(secs) if secs and min(secs) < FAILED_SECS else None
+            err = b.error_msg or r.error_msg
+            lat.append(best)
+            rows.append({"task": self.task_name, "workload": self.workload_hash,
+                         "latency_s": best, "search_s": round(now, 3),
+                         "error": (err or "")[:200] or None, "time": time.time()})
+        append_jsonl(self.path, rows)
+        self.on_batch(len(rows), lat)
+
+
+def count_trials(work_dir: str | Path) -> dict[str, dict]:
+    """Per task: trials logged and best latency, from trials.jsonl."""
+    out: dict[str, dict] = {}
+    for row in read_jsonl(Path(work_dir) / TRIALS_FILE):
+        t = out.setdefault(row["task"], {"done": 0, "best_s": None, "search_s": 0.0,
+                                         "complete": False})
+        if row.get("event") == "task_complete":
+            # MetaSchedule stops early when a task's search space is exhausted
+            t["complete"] = True
+            continue
+        t["done"] += 1
+        t["search_s"] = max(t["search_s"], row.get("search_s") or 0.0)
+        if row.get("latency_s") is not None and (t["best_s"] is None or row["latency_s"] < t["best_s"]):
+            t["best_s"] = row["latency_s"]
+    return out
+
+
+def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: float | None = None,
+         target=None, injective_trials: int | None = None, trials_per_iter: int = 32,
+         model_name: str = "model", seed: int | None = None,
+         on_progress: Callable[[TuneProgress], None] | None = None,
+         build_timeout_sec: float = 60.0, runner=None) -> TuneProgress:
+    """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
+
+    Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
+    ``trials_per_task`` trials (injective kernels, which do no arithmetic, get
+    ``injective_trials``). The run stops starting new batches when the budget is spent.
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    from .kernels import describe, fuse
+    from .measure import RunnerSpec, WarmPoolBuilder
+
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for note in repair_database(work_dir):
+        log.warning("%s: %s", work_dir, note)
+    target = target if target is not None else make_target()
+    if injective_trials is None:
+        injective_trials = max(4, trials_per_task // 8)
+    extracted = ms.relax_integration.extract_tasks(fuse(mod), target)
+    kernels = [describe(t.dispatched[0], t.task_name, t.weight) for t in extracted]
+    order = sorted(range(len(extracted)), key=lambda i: -kernels[i].flops * kernels[i].weight)
+
+    done = count_trials(work_dir)
+    progress = TuneProgress(budget_s=budget_minutes * 60 if budget_minutes else None)
+    prior_search = max((d["search_s"] for d in done.values()), default=0.0)
+    for i in order:
+        k = kernels[i]
+        want = trials_per_task if k.flops > 0 else injective_trials
+        d = done.get(k.name, {})
+        progress.tasks.append(TaskProgress(k.name, k.flops, k.weight,
+                                           d["done"] if d.get("complete") else want,
+                                           d.get("done", 0), d.get("best_s")))
+    _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
+                    progress, prior_search)
+
+    database = ms.database.JSONDatabase(work_dir=str(work_dir))
+    builder = WarmPoolBuilder(timeout_sec=build_timeout_sec)
+    runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3).create()
+    t0 = time.time()
+
+    def clock() -> float:
+        return prior_search + (time.time() - t0)
+
+    try:
+        for pos, i in enumerate(order):
+            tp = progress.tasks[pos]
+            progress.current = pos
+            remaining = tp.target_trials - tp.done
+            if remaining <= 0:
+                continue
+            if progress.budget_s is not None and time.time() - t0 >= progress.budget_s:
+                log.info("budget spent; stopping before %s", tp.name)
+                break
+            task = extracted[i]
+
+            def on_batch(n: int, lat: list[float | None], tp=tp) -> None:
+                tp.done += n
+                ok = [x for x in lat if x is not None]
+                if ok and (tp.best_s is None or min(ok) < tp.best_s):
+                    tp.best_s = min(ok)
+                progress.search_s = clock()
+                if on_progress:
+                    on_progress(progress)
+
+            if on_progress:
+                on_progress(progress)
+            # batches never exceed what the budget leaves, measured by this run's pace
+            ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+                [task], str(work_dir), seed=seed)
+            _quiet_console_handlers()
+            callbacks = list(ms.measure_callback.MeasureCallback.create("default"))
+            callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
+                                          clock, on_batch))
+            ms.tune.tune_tasks(
+                tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
+                max_trials_global=remaining, max_trials_per_task=remaining,
+                num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
+                runner=runner, database=database, measure_callbacks=callbacks,
+                task_scheduler="round-robin", cost_model="xgb")
+            tp.target_trials = tp.done  # finished, possibly early on an exhausted space
+            append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
+                                                  "search_s": round(clock(), 3)})
+    finally:
+        builder.close()
+        progress.search_s = clock()
+        _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
+                        progress, prior_search)
+    return progress
+
+
+def _quiet_console_handlers() -> None:
+    """MetaSchedule re-creates its console handler per task at DEBUG; follow the CLI's -v."""
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    level = logging.INFO if logging.getLogger("ttrank").isEnabledFor(logging.INFO) else logging.ERROR
+    for h in ms_logger.handlers:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(level)
+
+
+def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
+                    injective_trials: int, kernels, progress: TuneProgress,
+                    prior_search: float) -> None:
+    path = work_dir / MANIFEST_FILE
+    old = json.loads(path.read_text()) if path.exists() else {}
+    manifest = {
+        "model": model_name,
+        "trials_per_task": trials_per_task,
+        "injective_trials": injective_trials,
+        "kernels": len(kernels),
+        "trials_done": progress.trials_done,
+        "trials_target": progress.trials_total,
+        "complete": progress.trials_done >= progress.trials_total,
+        "search_seconds": round(max(progress.search_s, prior_search), 1),
+        "estimated_ms": progress.estimated_ms(),
+        "provenance": old.get("provenance") or provenance(target),
+        "last_run": provenance(target),
+        "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
+                   "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
+    }
+    atomic_write_json(path, manifest)
