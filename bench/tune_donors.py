@@ -31,8 +31,9 @@ def main() -> int:
     for name in args.names:
         work = Path(args.out) / name
         man = work / "tune_manifest.json"
-        if man.exists() and json.loads(man.read_text()).get("complete") and \
-                json.loads(man.read_text()).get("trials_per_task") == args.trials_per_task:
+        m = json.loads(man.read_text()) if man.exists() else {}
+        if m.get("complete") and m.get("trials_per_task") == args.trials_per_task and \
+                m.get("model_latency_ms"):
             print(f"{name}: complete", flush=True)
             continue
         left = (deadline - time.time()) / 60
@@ -41,7 +42,7 @@ def main() -> int:
             break
         cmd = ["ttrank", "tune", f"zoo:{name}", "--out", str(work), "--name", name,
                "--trials-per-task", str(args.trials_per_task), "--budget-minutes", f"{left:.1f}",
-               "--no-progress"]
+               "--no-progress", "--measure-model"]
         print(" ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
         print(f"{name}: exit {rc}", flush=True)

@@ -184,8 +184,11 @@ def cmd_tune(args) -> int:
         prog = tune.tune(model.mod, args.out, trials_per_task=args.trials_per_task,
                          budget_minutes=args.budget_minutes, target=target, model_name=name,
                          injective_trials=args.injective_trials, seed=args.seed,
-                         on_progress=on_progress)
-    state = "complete" if prog.trials_done >= prog.trials_total else "partial (rerun to resume)"
+                         on_progress=on_progress, only=args.only)
+    complete = prog.trials_done >= prog.trials_total
+    if complete and args.measure_model:
+        _measure_tuned_model(model, target, args.out, con)
+    state = "complete" if complete else "partial (rerun to resume)"
     con.print(f"{name}: {prog.trials_done}/{prog.trials_total} trials, {prog.tasks_done}/"
               f"{len(prog.tasks)} kernels, search {prog.search_s:.0f} s, {state}; database in {args.out}")
     return 0
@@ -226,6 +229,70 @@ def _native_stderr_captured(enabled: bool):
             os.unlink(path)
 
 
+def cmd_donors(args) -> int:
+    from . import donors
+
+    con = _console()
+    if args.donors_cmd == "add":
+        dest, rep = donors.add_work_dir(args.dir, name=args.name)
+        skipped = ", ".join(f"{n} {why}" for why, n in rep.skipped.items()) or "none"
+        con.print(f"added {rep.workloads} kernels, {rep.kept} records (of {rep.records} lines; "
+                  f"skipped: {skipped}) as donor network {dest.name!r} in {dest}")
+        return 0
+    dirs = [Path(d) for d in args.dirs] if args.dirs else donors.default_work_dirs()
+    if not dirs:
+        raise donors.StoreError("the donor store is empty: no work_dir under datasets/donors/ "
+                                "and none added (ttrank donors add DIR)")
+    store = donors.DonorStore.load(dirs)
+    rows = []
+    for d, rep in zip(dirs, store.reports):
+        s = donors.network_summary(d)
+        lat = s.get("model_latency_ms") or {}
+        rows.append({**s, "network": rep.network, "kernels": rep.workloads, "records": rep.kept,
+                     "lines": rep.records, "skipped": rep.skipped,
+                     "untuned_ms": lat.get("untuned"), "tuned_ms": lat.get("tuned"),
+                     "onnxruntime_ms": lat.get("onnxruntime")})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"donor store: {len(store.workloads)} kernels, {len(store.records())} records")
+    for col in ("network", "kernels", "records", "trials", "search", "untuned ms", "tuned ms",
+                "speedup", "onnxruntime ms", "cpu"):
+        t.add_column(col)
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in rows:
+        trials = f"{r['trials']}/{r['trials_target']}" if r.get("trials") is not None else "-"
+        speed = (r["untuned_ms"] / r["tuned_ms"]) if r["untuned_ms"] and r["tuned_ms"] else None
+        t.add_row(r["network"], str(r["kernels"]), str(r["records"]), trials,
+                  fmt(r.get("search_seconds"), "{:.0f} s"), fmt(r["untuned_ms"], "{:.1f}"),
+                  fmt(r["tuned_ms"] or r.get("estimated_ms"), "{:.2f}" if r["tuned_ms"] else "~{:.2f}"),
+                  fmt(speed, "{:.1f}x"), fmt(r["onnxruntime_ms"]), str(r.get("cpu") or "-"))
+    con.print(t)
+    con.print("tuned ms with ~ is the sum of per-kernel bests while tuning is incomplete")
+    return 0
+
+
+def _measure_tuned_model(model, target, work_dir: str, con) -> None:
+    """Record whole-model latency (untuned, tuned, onnxruntime) in the tune manifest, once."""
+    from . import engine
+    from .donors import open_database
+    from .tune import MANIFEST_FILE
+    from .util import atomic_write_json
+
+    path = Path(work_dir) / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    if manifest.get("model_latency_ms"):
+        return
+    con.print("measuring the whole model: untuned, tuned, onnxruntime ...")
+    lat = engine.model_latencies(model, target, open_database(work_dir))
+    manifest["model_latency_ms"] = lat
+    atomic_write_json(path, manifest)
+    con.print(f"untuned {lat['untuned']:.1f} ms, tuned {lat['tuned']:.2f} ms, "
+              f"onnxruntime {lat['onnxruntime']:.2f} ms")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ttrank", description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("-v", "--verbose", action="count", default=0, help="show TVM logs (-vv: debug)")
@@ -263,9 +330,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--budget-minutes", type=float, default=None)
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--name", help="model name recorded in the manifest")
+    t.add_argument("--only", nargs="+", metavar="SUBSTR",
+                   help="tune only kernels whose name contains one of these")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--measure-model", action="store_true",
+                   help="when tuning completes, time the whole model untuned/tuned/onnxruntime")
     t.set_defaults(func=cmd_tune)
 
+    d = sub.add_parser("donors", help="the donor schedule store")
+    ds = d.add_subparsers(dest="donors_cmd", required=True)
+    dl = ds.add_parser("list", help="donor networks: kernels, records, latency")
+    dl.add_argument("dirs", nargs="*", help="work_dirs (default: datasets/donors/* and added ones)")
+    dl.add_argument("--json", action="store_true")
+    da = ds.add_parser("add", help="add a MetaSchedule work_dir (anyone's logs) to your store")
+    da.add_argument("dir")
+    da.add_argument("--name", help="donor network name (default: the folder name)")
+    d.set_defaults(func=cmd_donors)
     return p
 
 

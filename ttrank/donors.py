@@ -1,19 +1,397 @@
-"""Donor schedules: MetaSchedule JSONDatabase work_dirs, indexed by workload class."""
+"""Donor schedules: MetaSchedule JSONDatabase work_dirs, indexed by workload class.
+
+A store is a list of work_dirs (ours under ``datasets/donors/<network>/``, or anyone's
+MetaSchedule logs). Each is parsed once into an index (cached by the files' content hash):
+per workload, its :class:`~ttrank.kernels.Kernel` description and its best few records,
+with provenance. Bad lines, records for another target and unparsable workloads are skipped
+and counted, never fatal.
+"""
 
 from __future__ import annotations
 
+import gzip
+import json
+import logging
+import shutil
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import StoreError
+from .kernels import Kernel
+from .util import atomic_write_bytes, atomic_write_json, cache_dir, open_text, sha256_of
+
+log = logging.getLogger("ttrank")
+
+INDEX_VERSION = 2
+WORKLOAD_FILE = "database_workload.json"
+RECORD_FILE = "database_tuning_record.json"
+FAILED_SECS = 1e9
+DATASET_DONORS = Path(__file__).resolve().parent.parent / "datasets" / "donors"
+
+
+def _db_file(work_dir: Path, name: str) -> Path | None:
+    for p in (work_dir / name, work_dir / (name + ".gz")):
+        if p.exists():
+            return p
+    return None
 
 
 def open_database(work_dir: str | Path):
-    """Open a MetaSchedule JSONDatabase work_dir (read-only use)."""
+    """Open a MetaSchedule JSONDatabase work_dir (gzipped files are unpacked to a cache)."""
     from tvm.s_tir import meta_schedule as ms
 
     work_dir = Path(work_dir)
-    wl, rec = work_dir / "database_workload.json", work_dir / "database_tuning_record.json"
-    if not wl.exists() or not rec.exists():
-        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir (needs {wl.name} and {rec.name})")
+    wl, rec = _db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)
+    if wl is None or rec is None:
+        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir (needs {WORKLOAD_FILE} and "
+                         f"{RECORD_FILE}, optionally .gz)")
+    if wl.suffix == ".gz" or rec.suffix == ".gz":
+        out = cache_dir() / "unpacked" / sha256_of(wl, rec)[:16]
+        for src in (wl, rec):
+            dst = out / src.name.removesuffix(".gz")
+            if not dst.exists():
+                with open_text(src) as f:
+                    atomic_write_bytes(dst, f.read().encode())
+        wl, rec = out / WORKLOAD_FILE, out / RECORD_FILE
     return ms.database.JSONDatabase(path_workload=str(wl), path_tuning_record=str(rec),
                                     allow_missing=False)
+
+
+@dataclass
+class DonorRecord:
+    """One tuned schedule of one donor kernel, with provenance."""
+
+    id: str  # "<network>/<workload hash>/<rank>"
+    network: str
+    kernel: str  # the donor kernel's task name (or its class where unknown)
+    workload_key: str  # "<network>/<workload hash>"
+    rank: int  # 0 = the best record of this donor kernel
+    latency_s: float
+    trace_json: Any = field(repr=False)
+    target: str = ""
+    provenance: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DonorWorkload:
+    network: str
+    kernel: Kernel
+    workload_json: Any = field(repr=False)  # the JSONDatabase workload line
+    records: list[DonorRecord] = field(default_factory=list)
+
+    _mod: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.network}/{self.kernel.workload_hash}"
+
+    def module(self):
+        """The donor workload's IRModule, parsed once."""
+        if self._mod is None:
+            from tvm.s_tir import meta_schedule as ms
+
+            self._mod = ms.database.Workload.from_json(self.workload_json).mod
+        return self._mod
+
+    @property
+    def best_s(self) -> float:
+        return self.records[0].latency_s if self.records else float("inf")
+
+
+@dataclass
+class LoadReport:
+    work_dir: str
+    network: str
+    workloads: int = 0
+    records: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+    def skip(self, why: str, message: str | None = None) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+        if message and len(self.messages) < 5:
+            self.messages.append(message)
+
+
+def _parse_target_key(target_json: Any) -> str:
+    from .target import target_key
+
+    try:
+        d = target_json if isinstance(target_json, dict) else json.loads(str(target_json))
+        return target_key(d)
+    except (ValueError, TypeError):
+        return str(target_json)
+
+
+def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int = 5,
+                   target=None) -> tuple[list[DonorWorkload], LoadReport]:
+    """Parse a JSONDatabase work_dir into donor workloads with their best ``top_k`` records.
+
+    ``target``: keep only records whose target has the same kind/mcpu/mtriple (None: any).
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    from .kernels import describe
+    from .target import target_key
+
+    work_dir = Path(work_dir)
+    network = network or work_dir.name
+    report = LoadReport(str(work_dir), network)
+    wl_path, rec_path = _db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)
+    if wl_path is None or rec_path is None:
+        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir (needs {WORKLOAD_FILE} and "
+                         f"{RECORD_FILE})")
+    names = _task_names(work_dir)
+    manifest = _manifest(work_dir)
+    want_target = target_key(target) if target is not None else None
+
+    workloads: list[DonorWorkload | None] = []
+    with open_text(wl_path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                wl_json = json.loads(line)
+                wl = ms.database.Workload.from_json(wl_json)
+                kernel = describe(wl.mod)
+            except Exception as e:  # malformed JSON, or TIR this TVM cannot parse
+                report.skip("bad workload", f"{wl_path.name}:{lineno}: {type(e).__name__}")
+                workloads.append(None)  # keep indices aligned with the records' references
+                continue
+            kernel.name = names.get(kernel.workload_hash, kernel.name)
+            workloads.append(DonorWorkload(network, kernel, wl_json))
+    report.workloads = sum(1 for w in workloads if w is not None)
+
+    per_wl: dict[int, list[tuple[float, Any, str]]] = defaultdict(list)
+    with open_text(rec_path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            report.records += 1
+            try:
+                idx, rec = json.loads(line)
+                trace_json, run_secs, target_json = rec[0], rec[1], rec[2]
+                secs = [float(s) for s in run_secs]
+            except Exception:
+                report.skip("malformed line", f"{rec_path.name}:{lineno}: malformed record")
+                continue
+            if not (0 <= idx < len(workloads)) or workloads[idx] is None:
+                report.skip("unknown workload")
+                continue
+            tkey = _parse_target_key(target_json)
+            if want_target is not None and tkey != want_target:
+                report.skip("other target")
+                continue
+            lat = min(secs) if secs else FAILED_SECS * 10
+            if lat >= FAILED_SECS:
+                report.skip("failed trial")
+                continue
+            per_wl[idx].append((lat, trace_json, json.dumps(target_json) if not isinstance(target_json, str) else target_json))
+
+    prov = (manifest or {}).get("provenance", {})
+    out = []
+    for idx, recs in per_wl.items():
+        dw = workloads[idx]
+        recs.sort(key=lambda r: r[0])
+        seen = set()
+        for lat, trace_json, tjson in recs:
+            sig = json.dumps(trace_json, sort_keys=True)
+            if sig in seen:  # the same schedule measured twice
+                continue
+            seen.add(sig)
+            rank = len(dw.records)
+            dw.records.append(DonorRecord(f"{dw.key}/{rank}", network, dw.kernel.name, dw.key, rank,
+                                          lat, trace_json, tjson, prov))
+            if len(dw.records) >= top_k:
+                break
+        report.kept += len(dw.records)
+        out.append(dw)
+    if report.skipped:
+        log.warning("%s: skipped %s", work_dir,
+                    ", ".join(f"{n} {why}" for why, n in report.skipped.items()))
+    return out, report
+
+
+def _task_names(work_dir: Path) -> dict[str, str]:
+    """workload hash -> task name, from our trials log (absent in foreign logs)."""
+    from .util import read_jsonl
+
+    names = {}
+    for row in read_jsonl(work_dir / "trials.jsonl"):
+        if row.get("workload") and row.get("task"):
+            names[row["workload"]] = row["task"]
+    return names
+
+
+def _manifest(work_dir: Path) -> dict | None:
+    p = work_dir / "tune_manifest.json"
+    try:
+        return json.loads(p.read_text()) if p.exists() else None
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The store
+
+
+class DonorStore:
+    """Donor workloads from several work_dirs, indexed by anchor op and workload class."""
+
+    def __init__(self, workloads: list[DonorWorkload], reports: list[LoadReport] | None = None):
+        self.workloads = workloads
+        self.reports = reports or []
+        self._by_anchor: dict[str, list[DonorWorkload]] = defaultdict(list)
+        self._by_class: dict[str, list[DonorWorkload]] = defaultdict(list)
+        for w in workloads:
+            self._by_anchor[w.kernel.anchor_op].append(w)
+            self._by_class[w.kernel.workload_class].append(w)
+
+    @classmethod
+    def load(cls, work_dirs: list[str | Path] | None = None, top_k: int = 5, target=None,
+             use_cache: bool = True) -> DonorStore:
+        """Load work_dirs (default: the shipped datasets plus the user's added donors)."""
+        dirs = [Path(d) for d in work_dirs] if work_dirs is not None else default_work_dirs()
+        workloads, reports = [], []
+        for d in dirs:
+            ws, rep = _cached_index(d, top_k, target, use_cache)
+            workloads.extend(ws)
+            reports.append(rep)
+        return cls(workloads, reports)
+
+    @property
+    def networks(self) -> list[str]:
+        return sorted({w.network for w in self.workloads})
+
+    def records(self) -> list[DonorRecord]:
+        return [r for w in self.workloads for r in w.records]
+
+    def by_class(self, workload_class: str) -> list[DonorWorkload]:
+        return list(self._by_class.get(workload_class, []))
+
+    def compatible(self, kernel: Kernel, exclude_networks: set[str] | frozenset = frozenset()
+                   ) -> list[tuple[DonorWorkload, DonorRecord]]:
+        """Every donor record whose kernel has the same anchor op and loop nest."""
+        out = []
+        for w in self._by_anchor.get(kernel.anchor_op, []):
+            if w.network in exclude_networks or not kernel.compatible(w.kernel):
+                continue
+            out.extend((w, r) for r in w.records)
+        return out
+
+    def without(self, networks: set[str]) -> DonorStore:
+        return DonorStore([w for w in self.workloads if w.network not in networks], self.reports)
+
+
+def default_work_dirs() -> list[Path]:
+    """The shipped donor datasets, then the donors the user added."""
+    dirs = []
+    for root in (DATASET_DONORS, user_donor_dir()):
+        if root.exists():
+            dirs.extend(sorted(p for p in root.iterdir() if p.is_dir() and _db_file(p, WORKLOAD_FILE)))
+    return dirs
+
+
+def user_donor_dir() -> Path:
+    return cache_dir() / "donors"
+
+
+def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
+                  ) -> tuple[list[DonorWorkload], LoadReport]:
+    from .kernels import Kernel
+    from .target import target_key
+
+    wl, rec = _db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)
+    if wl is None or rec is None:
+        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir")
+    tkey = target_key(target) if target is not None else "any"
+    key = f"v{INDEX_VERSION}-{sha256_of(wl, rec)[:20]}-{top_k}-{tkey.replace('/', '_')}"
+    path = cache_dir() / "index" / f"{work_dir.name}-{key}.json.gz"
+    if use_cache and path.exists():
+        try:
+            with gzip.open(path, "rt") as f:
+                data = json.load(f)
+            ws = []
+            for d in data["workloads"]:
+                k = Kernel(**d["kernel"])
+                recs = [DonorRecord(**r) for r in d["records"]]
+                ws.append(DonorWorkload(d["network"], k, d["workload_json"], recs))
+            rep = LoadReport(**data["report"])
+            return ws, rep
+        except (OSError, ValueError, KeyError, TypeError):
+            log.info("index cache %s unreadable; rebuilding", path)
+    ws, rep = index_work_dir(work_dir, top_k=top_k, target=target)
+    data = {"workloads": [{"network": w.network, "kernel": _kernel_json(w.kernel),
+                           "workload_json": w.workload_json,
+                           "records": [r.to_json() for r in w.records]} for w in ws],
+            "report": asdict(rep)}
+    atomic_write_bytes(path, gzip.compress(json.dumps(data).encode(), compresslevel=3))
+    return ws, rep
+
+
+def _kernel_json(k: Kernel) -> dict:
+    d = k.to_json()
+    d.pop("shape", None)
+    return d
+
+
+def materialize(workload: DonorWorkload, record: DonorRecord):
+    """(donor IRModule, its s_tir.Trace) from the stored JSON."""
+    from tvm import s_tir
+
+    mod = workload.module()
+    sch = s_tir.Schedule(mod)
+    s_tir.Trace.apply_json_to_schedule(record.trace_json, sch)
+    return mod, sch.trace
+
+
+# --------------------------------------------------------------------------------------------
+# Adding a user's logs
+
+
+def add_work_dir(src: str | Path, name: str | None = None, dest_root: Path | None = None
+                 ) -> tuple[Path, LoadReport]:
+    """Copy a MetaSchedule work_dir into the user's donor store (gzipped), after validating it."""
+    src = Path(src)
+    if not src.is_dir():
+        raise StoreError(f"{src}: not a directory")
+    ws, rep = index_work_dir(src, network=name or src.name)
+    if not ws:
+        raise StoreError(f"{src}: no usable records ({dict(rep.skipped) or 'empty database'})")
+    dest = (dest_root or user_donor_dir()) / (name or src.name)
+    dest.mkdir(parents=True, exist_ok=True)
+    for fname in (WORKLOAD_FILE, RECORD_FILE):
+        s = _db_file(src, fname)
+        with open(s, "rb") as f:
+            data = f.read()
+        if s.suffix != ".gz":
+            data = gzip.compress(data)
+        atomic_write_bytes(dest / (fname + ".gz"), data)
+    for extra in ("trials.jsonl", "tune_manifest.json"):
+        if (src / extra).exists():
+            shutil.copyfile(src / extra, dest / extra)
+    if not (dest / "tune_manifest.json").exists():
+        from .target import host_cpu_model
+
+        atomic_write_json(dest / "tune_manifest.json", {
+            "model": name or src.name, "source": str(src.resolve()),
+            "provenance": {"cpu": "unknown (added logs)", "added_on_cpu": host_cpu_model()}})
+    return dest, rep
+
+
+def network_summary(work_dir: Path) -> dict[str, Any]:
+    """What `ttrank donors list` shows for one work_dir, from its manifest."""
+    m = _manifest(work_dir) or {}
+    prov = m.get("provenance", {})
+    return {"network": work_dir.name, "trials": m.get("trials_done"),
+            "trials_target": m.get("trials_target"), "complete": m.get("complete"),
+            "search_seconds": m.get("search_seconds"), "estimated_ms": m.get("estimated_ms"),
+            "model_latency_ms": m.get("model_latency_ms"),
+            "cpu": f"{prov.get('cpu')} ({prov.get('mcpu')})" if prov.get("mcpu") else prov.get("cpu"),
+            "tvm": prov.get("tvm")}

@@ -155,3 +155,22 @@ def check_against_onnxruntime(compiled: CompiledModel, model: LoadedModel, seed:
         raise TTRankError(f"onnxruntime cannot run this model, so outputs cannot be checked: "
                           f"{str(e).splitlines()[0][:300]}") from None
     return check_outputs(compiled.run(feed), ref, atol, rtol)
+
+
+def model_latencies(model: LoadedModel, target, database=None, repeat: int = 3,
+                    untuned: bool = True) -> dict:
+    """Whole-model latency (ms): untuned, with the database, and onnxruntime, side by side."""
+    from .target import provenance
+
+    feed = model.random_inputs()
+    out: dict = {}
+    if untuned:
+        out["untuned"] = CompiledModel.from_executable(compile_model(model, target), model).time_ms(
+            feed, repeat=repeat, min_repeat_ms=0)
+    if database is not None:
+        tuned = CompiledModel.from_executable(compile_model(model, target, database), model)
+        out["tuned"] = tuned.time_ms(feed, repeat=repeat)
+        out["check_max_abs_error"] = check_against_onnxruntime(tuned, model).max_abs_error
+    out["onnxruntime"] = onnxruntime_time_ms(model, feed, repeat=repeat)
+    out["provenance"] = provenance(target)
+    return out

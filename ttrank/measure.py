@@ -51,6 +51,74 @@ def _build_export(mod, target, artifact_dir: str) -> str:
     return path
 
 
+def _random_args(func, seed: int = 0):
+    """Deterministic inputs for a PrimFunc: normal floats, zero integers (always in bounds)."""
+    import numpy as np
+    import tvm
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for a in ArgInfo.from_prim_func(func):
+        shape = [int(d) for d in a.shape]
+        dtype = str(a.dtype)
+        if dtype.startswith("float"):
+            arr = rng.standard_normal(shape).astype(dtype)
+        elif dtype == "bool":
+            arr = rng.integers(0, 2, shape).astype(bool)
+        else:
+            arr = np.zeros(shape, dtype=dtype)
+        arrays.append(arr)
+    return arrays
+
+
+_REFERENCE_CACHE: dict[str, list] = {}
+
+
+def _run_host(mod, seed: int = 0):
+    """Build for the host and run on deterministic inputs; returns every argument after the call."""
+    import tvm
+
+    func = mod[[gv for gv in mod.functions][0]]
+    rt = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in _random_args(func, seed)]
+    rt(*args)
+    return [a.numpy() for a in args]
+
+
+def _check_against(mod, ref_mod, ref_key: str, rtol: float, atol: float) -> float | None:
+    """Max abs error of ``mod`` against ``ref_mod`` on the same inputs; None if they agree."""
+    import numpy as np
+
+    ref = _REFERENCE_CACHE.get(ref_key)
+    if ref is None:
+        ref = _run_host(ref_mod)
+        _REFERENCE_CACHE.clear()  # one kernel at a time: keep memory flat
+        _REFERENCE_CACHE[ref_key] = ref
+    got = _run_host(mod)
+    worst, bad = 0.0, False
+    for g, r in zip(got, ref):
+        if g.dtype.kind != "f":
+            bad = bad or not np.array_equal(g, r)
+            continue
+        err = float(np.max(np.abs(g.astype(np.float64) - r))) if g.size else 0.0
+        worst = max(worst, err)
+        scale = float(np.max(np.abs(r))) if r.size else 0.0
+        if not np.isfinite(g).all() or err > atol * max(1.0, scale) + rtol * scale:
+            bad = True
+    return worst if bad else None
+
+
+def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
+                        rtol: float = 1e-3, atol: float = 1e-4):
+    """Build for measurement, and check the result against the reference (pool worker)."""
+    wrong = _check_against(mod, ref_mod, ref_key, rtol, atol) if ref_mod is not None else None
+    if wrong is not None:
+        return None, wrong
+    return _build_export(mod, target, artifact_dir), None
+
+
 @derived_object
 class WarmPoolBuilder(PyBuilder):
     """A MetaSchedule builder whose worker processes live for the whole session.
@@ -90,6 +158,24 @@ class WarmPoolBuilder(PyBuilder):
                 results.append(BuilderResult(None, f"build error: {_last_line(str(r.value))}"))
         return results
 
+    def build_checked(self, mods: list, target, ref_mod, ref_key: str) -> list[tuple[str, Any]]:
+        """Build each module, first checking its output against ``ref_mod``'s.
+
+        Returns per module ("ok", artifact path), ("wrong_result", max abs error),
+        ("timeout", message) or ("build_error", message).
+        """
+        out = []
+        args = [(m, target, self.artifact_dir, ref_mod, ref_key) for m in mods]
+        for r in self.pool.map_with_error_catching(lambda a: _build_check_export(*a), args):
+            if r.status == StatusKind.COMPLETE:
+                path, wrong = r.value
+                out.append(("ok", path) if path else ("wrong_result", wrong))
+            elif r.status == StatusKind.TIMEOUT:
+                out.append(("timeout", f"build timeout: killed after {self.timeout_sec:g} s"))
+            else:
+                out.append(("build_error", f"build error: {_last_line(str(r.value))}"))
+        return out
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -117,7 +203,8 @@ class RunnerSpec:
     number: int = 3
     repeat: int = 3
     min_repeat_ms: int = 50
-    cache_flush: bool = True
+    # off, as in MetaSchedule's tuning runs, so donor records and candidates compare directly
+    cache_flush: bool = False
     timeout_sec: float = 30.0
 
     @classmethod
@@ -187,24 +274,37 @@ class Measurer:
             self._runner = self.spec.create()
         return self._runner
 
-    def measure(self, mods: list) -> list[Measurement]:
-        """Build and run each module; a failure of one never stops the batch."""
+    def measure(self, mods: list, reference=None, reference_key: str = "") -> list[Measurement]:
+        """Build and run each module; a failure of one never stops the batch.
+
+        With ``reference`` (the untuned kernel), each module's output is first compared with
+        the reference's on the same random inputs, and a mismatch is a ``wrong_result``.
+        """
         from tvm.s_tir.meta_schedule.arg_info import ArgInfo
         from tvm.s_tir.meta_schedule.runner import RunnerInput
 
         if not mods:
             return []
-        built = self.builder.build([BuilderInput(m, self.target) for m in mods])
+        if reference is not None:
+            built = self.builder.build_checked(mods, self.target, reference, reference_key)
+        else:
+            built = [("ok", b.artifact_path) if not b.error_msg else
+                     ("timeout" if "timeout" in b.error_msg else "build_error", b.error_msg)
+                     for b in self.builder.build([BuilderInput(m, self.target) for m in mods])]
         out: list[Measurement | None] = [None] * len(mods)
-        inputs, idx = [], []
-        for i, (m, b) in enumerate(zip(mods, built)):
-            if b.error_msg:
-                status = "timeout" if "timeout" in b.error_msg else "build_error"
-                out[i] = Measurement(None, status, b.error_msg)
+        inputs, idx, paths = [], [], []
+        for i, (m, (status, value)) in enumerate(zip(mods, built)):
+            if status == "wrong_result":
+                out[i] = Measurement(None, status, f"wrong result: max abs error {value:.3g} "
+                                                   f"against the untuned kernel")
+                continue
+            if status != "ok":
+                out[i] = Measurement(None, status, str(value))
                 continue
             func = m[[gv for gv in m.functions][0]]
-            inputs.append(RunnerInput(b.artifact_path, "cpu", ArgInfo.from_prim_func(func)))
+            inputs.append(RunnerInput(value, "cpu", ArgInfo.from_prim_func(func)))
             idx.append(i)
+            paths.append(value)
         futures = self.runner.run(inputs) if inputs else []
         for i, fut in zip(idx, futures):
             r = fut.result()
@@ -214,9 +314,8 @@ class Measurer:
             else:
                 secs = [float(s) for s in r.run_secs]
                 out[i] = Measurement(min(secs), "ok", "", secs)
-        for b in built:
-            if b.artifact_path:
-                _rm(b.artifact_path)
+        for p in paths:
+            _rm(p)
         return out  # type: ignore[return-value]
 
     def close(self) -> None:

@@ -156,12 +156,14 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
          target=None, injective_trials: int | None = None, trials_per_iter: int = 32,
          model_name: str = "model", seed: int | None = None,
          on_progress: Callable[[TuneProgress], None] | None = None,
-         build_timeout_sec: float = 60.0, runner=None) -> TuneProgress:
+         build_timeout_sec: float = 60.0, runner=None,
+         only: list[str] | None = None) -> TuneProgress:
     """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
 
     Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
     ``trials_per_task`` trials (injective kernels, which do no arithmetic, get
     ``injective_trials``). The run stops starting new batches when the budget is spent.
+    ``only``: tune just the kernels whose task name contains one of these strings.
     """
     from tvm.s_tir import meta_schedule as ms
 
@@ -176,6 +178,12 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     if injective_trials is None:
         injective_trials = max(4, trials_per_task // 8)
     extracted = ms.relax_integration.extract_tasks(fuse(mod), target)
+    if only:
+        extracted = [t for t in extracted if any(o in t.task_name for o in only)]
+        if not extracted:
+            from .errors import TTRankError
+
+            raise TTRankError(f"--only {' '.join(only)} matches no kernel of this model")
     kernels = [describe(t.dispatched[0], t.task_name, t.weight) for t in extracted]
     order = sorted(range(len(extracted)), key=lambda i: -kernels[i].flops * kernels[i].weight)
 
@@ -239,6 +247,9 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             tp.target_trials = tp.done  # finished, possibly early on an exhausted space
             append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
                                                   "search_s": round(clock(), 3)})
+            progress.search_s = clock()
+            _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials,
+                            kernels, progress, prior_search)
     finally:
         builder.close()
         progress.search_s = clock()
@@ -273,6 +284,7 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "estimated_ms": progress.estimated_ms(),
         "provenance": old.get("provenance") or provenance(target),
         "last_run": provenance(target),
+        "model_latency_ms": old.get("model_latency_ms") if old.get("trials_done") == progress.trials_done else None,
         "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
                    "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
     }

@@ -1,0 +1,184 @@
+"""Tuning, the donor store, transfer and measurement, on tiny models with a few trials."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ttrank import donors, frontend, kernels, measure, transfer
+from ttrank.cli import main
+from ttrank.target import make_target
+from ttrank.tune import count_trials, repair_database
+
+DONOR_KERNELS = ["fused_conv2d1_add1_relu1", "fused_conv2d4_add3", "fused_matmul_add8"]
+
+
+@pytest.fixture(scope="session")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="session")
+def donor_dir(tmp_path_factory) -> Path:
+    """A real MetaSchedule database: three tiny_resnet kernels, 6 trials each."""
+    out = tmp_path_factory.mktemp("donors") / "tiny_resnet"
+    rc = main(["tune", "zoo:tiny_resnet", "--out", str(out), "--trials-per-task", "6",
+               "--only", *DONOR_KERNELS, "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def test_tune_writes_a_standard_database_and_trial_log(donor_dir):
+    from tvm.s_tir import meta_schedule as ms
+
+    db = ms.database.JSONDatabase(work_dir=str(donor_dir))
+    assert len(db.get_all_tuning_records()) >= 3 * 6 - 2
+    counts = count_trials(donor_dir)
+    assert set(counts) == set(DONOR_KERNELS)
+    assert all(c["done"] >= 1 and c["best_s"] for c in counts.values())
+    rows = [json.loads(l) for l in (donor_dir / "trials.jsonl").read_text().splitlines()]
+    times = [r["search_s"] for r in rows if "latency_s" in r]
+    assert times == sorted(times)  # cumulative search time: a convergence curve
+    manifest = json.loads((donor_dir / "tune_manifest.json").read_text())
+    assert manifest["complete"] and manifest["provenance"]["cpu"] and manifest["provenance"]["tvm"]
+
+
+def test_rerun_of_a_finished_tune_does_no_work(donor_dir):
+    before = (donor_dir / "database_tuning_record.json").read_bytes()
+    assert main(["tune", "zoo:tiny_resnet", "--out", str(donor_dir), "--trials-per-task", "6",
+                 "--only", *DONOR_KERNELS, "--no-progress"]) == 0
+    assert (donor_dir / "database_tuning_record.json").read_bytes() == before
+
+
+def test_kill_9_then_resume(tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "ttrank.cli", "tune", "zoo:tiny_cnn", "--out", str(out),
+           "--trials-per-task", "8", "--only", "fused_conv2d1_add_relu", "fused_matmul",
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    log = out / "trials.jsonl"
+    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= 1):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert log.exists(), "no trial was logged before the kill"
+    # a torn line, as a kill in the middle of a write leaves it
+    with open(out / "database_tuning_record.json", "ab") as f:
+        f.write(b'[0, [[["GetSBlock"')
+    assert subprocess.call(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+    assert (out / "database_tuning_record.json.torn").exists()
+    counts = count_trials(out)
+    assert counts["fused_conv2d1_add_relu"]["done"] >= 8 or \
+        json.loads((out / "tune_manifest.json").read_text())["complete"]
+    store = donors.DonorStore.load([out], use_cache=False)
+    assert store.records() and not store.reports[0].skipped.get("malformed line")
+
+
+def test_store_skips_bad_lines_and_other_targets(donor_dir, tmp_path):
+    bad = tmp_path / "foreign"
+    bad.mkdir()
+    (bad / "database_workload.json").write_text(
+        (donor_dir / "database_workload.json").read_text() + "not json\n")
+    lines = (donor_dir / "database_tuning_record.json").read_text().splitlines()
+    foreign = json.loads(lines[0])
+    foreign[1][2] = {"kind": "llvm", "mcpu": "cortex-a72", "mtriple": "aarch64-linux-gnu"}
+    (bad / "database_tuning_record.json").write_text(
+        "\n".join(lines + ["{broken", json.dumps(foreign)]) + "\n")
+    ws, rep = donors.index_work_dir(bad, target=make_target())
+    assert rep.skipped["malformed line"] == 1
+    assert rep.skipped["other target"] == 1
+    assert rep.skipped["bad workload"] == 1
+    assert ws and rep.kept >= 3
+
+
+def test_donors_add_and_list(donor_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    assert main(["donors", "add", str(donor_dir), "--name", "mine"]) == 0
+    assert (tmp_path / "cache" / "donors" / "mine" / "database_tuning_record.json.gz").exists()
+    capsys.readouterr()
+    assert main(["donors", "list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    mine = next(r for r in rows if r["network"] == "mine")
+    assert mine["kernels"] == 3 and mine["records"] >= 3
+
+
+def test_tile_adaptation_keeps_inner_tiles():
+    assert transfer.adapt_tiles([1, 4, 2, 8], 64) == [1, 4, 2, 8]
+    assert transfer.adapt_tiles([7, 1, 1, 2], 7) == [7, 1, 1, 1]
+    assert transfer.adapt_tiles([1, 3, 12, 16], 512) == [1, 2, 16, 16]
+    for extent in (7, 49, 56, 96, 112, 1000):
+        new = transfer.adapt_tiles([2, 4, 8, 16], extent)
+        prod = 1
+        for f in new:
+            prod *= f
+        assert prod == extent
+
+
+def test_transfer_and_measure_onto_other_shapes_and_epilogues(donor_dir, tiny_cnn, target):
+    store = donors.DonorStore.load([donor_dir], use_cache=False)
+    model = frontend.load(tiny_cnn)
+    ks = [k for k in kernels.extract(model.mod, target) if k.tunable]
+    m = measure.Measurer(target)
+    try:
+        counts = {"valid": 0, "rejected": 0}
+        for k in ks:
+            pairs = store.compatible(k)
+            cands = [transfer.transfer(r, k, w, target) for w, r in pairs]
+            for c in cands:
+                counts["valid" if c.ok else "rejected"] += 1
+            valid = [c for c in cands if c.ok]
+            if not valid:
+                continue
+            base = m.measure([k.mod])[0]
+            res = m.measure([c.mod for c in valid], reference=k.mod, reference_key=k.workload_hash)
+            assert base.ok
+            # every transferred kernel computes what the untuned one computes
+            assert all(r.status == "ok" for r in res), [r.error for r in res]
+        assert counts["valid"] > 0
+        # a 3x3 conv with a residual epilogue receives schedules tuned on a plain conv+add+relu
+        resid = next(k for k in ks if k.workload_class == "conv2d_nchw+add+add+relu")
+        cands = [transfer.transfer(r, resid, w, target) for w, r in store.compatible(resid)]
+        assert any(c.ok and c.method == "anchor" for c in cands)
+        assert any(c.tile_changes for c in cands)
+    finally:
+        m.close()
+
+
+def test_wrong_result_is_rejected(tiny_cnn, target):
+    """A schedule of another kernel (different weights shape) must never pass as this one."""
+    model = frontend.load(tiny_cnn)
+    ks = {k.name: k for k in kernels.extract(model.mod, target)}
+    k = ks["fused_conv2d1_add_relu"]
+    other = ks["fused_conv2d1_add_add1_relu"]  # same conv, one more input added
+    m = measure.Measurer(target)
+    try:
+        res = m.measure([other.mod], reference=k.mod, reference_key="ref-" + k.workload_hash)
+        assert res[0].status == "wrong_result" and "max abs error" in res[0].error
+    finally:
+        m.close()
+
+
+def test_hanging_build_times_out_without_stopping_the_batch(tiny_cnn, target):
+    import tvm
+
+    model = frontend.load(tiny_cnn)
+    k = next(k for k in kernels.extract(model.mod, target) if k.name == "fused_matmul_add4")
+    gv = [g for g in k.mod.functions][0]
+    hang = tvm.IRModule({gv: k.mod[gv].with_attr(measure.HANG_ATTR, 120)})
+    m = measure.Measurer(target, build_timeout_sec=8)
+    try:
+        t0 = time.time()
+        res = m.measure([k.mod, hang, k.mod])
+        assert [r.status for r in res] == ["ok", "timeout", "ok"]
+        assert time.time() - t0 < 100
+    finally:
+        m.close()

@@ -1,0 +1,253 @@
+"""Transfer a donor schedule onto a target kernel of the same anchor op.
+
+Steps, per (donor record, target kernel):
+1. compatibility: same anchor op and loop nest (``Kernel.compatible``);
+2. the donor trace without its post-processing part (those instructions encode loop choices
+   for the donor's extents; MetaSchedule's postprocessors re-derive them for the new shapes);
+3. tile adaptation: ``SamplePerfectTile`` decisions whose product does not equal the target
+   extent are mapped deliberately (inner tiles kept as the nearest divisors, outer recomputed),
+   and every change is recorded;
+4. apply: plain replay when the donor and target have the same blocks, else MetaSchedule's
+   anchor-trace replay (which inlines or skips the blocks that differ); fall back between them;
+5. postprocessors (parallel/vectorize/unroll rewriting, reduction decomposition, layout rewrite).
+
+Correctness (the transferred kernel computes what the untuned kernel computes) is checked
+when candidates are measured (:mod:`ttrank.measure`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .donors import DonorRecord, DonorWorkload, materialize
+from .kernels import Kernel
+
+log = logging.getLogger("ttrank")
+
+VALID = "valid"
+REJECTED = "rejected"
+WRONG_RESULT = "wrong_result"
+
+# instructions that change a block's loops; a GetLoops after them no longer sees the iterators
+_LOOP_TRANSFORMS = {"Split", "Fuse", "Reorder", "TransformLayout", "TransformBlockLayout",
+                    "ReIndex", "Blockize", "AddUnitLoop", "LoopPartition", "Merge"}
+
+
+@dataclass
+class TileChange:
+    block: str
+    loop: int
+    extent: int
+    donor: list[int]
+    new: list[int]
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass
+class Candidate:
+    """A donor schedule applied to a target kernel, or the reason it could not be."""
+
+    kernel: Kernel
+    donor: DonorWorkload
+    record: DonorRecord
+    status: str = REJECTED  # valid / rejected / wrong_result
+    reason: str = ""
+    method: str = ""  # replay / anchor
+    adapt: str = "ttrank"  # ttrank (deliberate tile adaptation) / tvm (TVM's own re-sampling)
+    tile_changes: list[TileChange] = field(default_factory=list)
+    mod: Any = field(default=None, repr=False)  # the scheduled target IRModule
+    score: float | None = None  # the ranker's score
+    features: dict | None = field(default=None, repr=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.kernel.workload_hash}<-{self.record.id}"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == VALID
+
+    def summary(self) -> dict:
+        return {"kernel": self.kernel.name, "donor_network": self.donor.network,
+                "donor_kernel": self.donor.kernel.name, "donor_record": self.record.id,
+                "status": self.status, "reason": self.reason, "method": self.method,
+                "adapt": self.adapt, "tile_changes": [t.to_json() for t in self.tile_changes],
+                "score": self.score}
+
+
+# --------------------------------------------------------------------------------------------
+# tile adaptation
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def nearest_divisor(n: int, want: int) -> int:
+    """The divisor of n closest to ``want`` in ratio (ties: the smaller)."""
+    import math
+
+    want = max(1, want)
+    return min(_divisors(n), key=lambda d: (abs(math.log(d / want)), d))
+
+
+def adapt_tiles(factors: list[int], extent: int) -> list[int]:
+    """Map a perfect tiling of another extent onto ``extent``.
+
+    Inner factors (register and vector tiles) are kept where they divide what is left, else
+    replaced by the nearest divisor; the outermost factor takes the remainder.
+    """
+    prod = 1
+    for f in factors:
+        prod *= f
+    if prod == extent:
+        return list(factors)
+    new = [1] * len(factors)
+    rest = extent
+    for i in range(len(factors) - 1, 0, -1):
+        d = nearest_divisor(rest, factors[i])
+        new[i] = d
+        rest //= d
+    new[0] = rest
+    return new
+
+
+def _strip_postproc(trace):
+    """The trace up to EnterPostproc, with its decisions."""
+    from tvm import s_tir
+
+    insts = list(trace.insts)
+    cut = next((i for i, inst in enumerate(insts) if inst.kind.name == "EnterPostproc"), len(insts))
+    kept = insts[:cut]
+    decisions = {inst: trace.decisions[inst] for inst in kept if inst in trace.decisions}
+    return s_tir.Trace(kept, decisions)
+
+
+def _tile_plan(trace, target_mod) -> list[tuple[Any, TileChange]]:
+    """For each SamplePerfectTile on an untransformed loop of a block the target also has,
+    the adapted decision (only where it differs)."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(target_mod)
+    insts = list(trace.insts)
+    block_of: list[tuple[Any, str]] = []  # (BlockRV, name) from GetSBlock
+    loop_of: list[tuple[Any, str, int, int]] = []  # (LoopRV, block name, index, GetLoops position)
+    touched: dict[str, int] = {}  # block name -> first loop-transform position
+    plan = []
+    for pos, inst in enumerate(insts):
+        kind = inst.kind.name
+        if kind == "GetSBlock":
+            block_of.append((inst.outputs[0], str(inst.attrs[0])))
+        elif kind == "GetLoops":
+            name = next((n for rv, n in block_of if rv.same_as(inst.inputs[0])), None)
+            if name is not None:
+                loop_of.extend((rv, name, j, pos) for j, rv in enumerate(inst.outputs))
+        elif kind in _LOOP_TRANSFORMS:
+            for rv in inst.inputs:
+                for lrv, name, _, _ in loop_of:
+                    if lrv.same_as(rv):
+                        touched.setdefault(name, pos)
+        elif kind == "SamplePerfectTile":
+            hit = next(((n, j, p) for rv, n, j, p in loop_of if rv.same_as(inst.inputs[0])), None)
+            if hit is None:
+                continue
+            name, j, getloops_pos = hit
+            if touched.get(name, len(insts)) < getloops_pos:
+                continue  # the loops were already transformed: extents unknown here
+            try:
+                loops = sch.get_loops(sch.get_sblock(name))
+            except Exception:
+                continue  # the target lacks this block
+            if j >= len(loops):
+                continue
+            extent = int(sch.get(loops[j]).extent)
+            donor = [int(x) for x in trace.decisions[inst]]
+            new = adapt_tiles(donor, extent)
+            if new != donor:
+                plan.append((inst, TileChange(name, j, extent, donor, new)))
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# apply
+
+
+def _block_names(mod) -> set[str]:
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(mod)
+    return {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+
+
+def _postprocess(sch, target) -> bool:
+    from tvm.s_tir import meta_schedule as ms
+
+    ctx = ms.TuneContext(mod=sch.mod, target=target, num_threads="physical")
+    for p in ms.postproc.Postproc.create("llvm"):
+        p._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
+        if not p.apply(sch):
+            return False
+    return True
+
+
+def _apply(kernel_mod, trace, method: str, target):
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    sch = s_tir.Schedule(kernel_mod, debug_mask="all")
+    if method == "replay":
+        trace.apply_to_schedule(sch, remove_postproc=True)
+    else:
+        ms.trace_apply.schedule_using_anchor_trace(sch, trace, target)
+    return sch
+
+
+def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
+             adapt: str = "ttrank") -> Candidate:
+    """Apply ``record`` (a schedule of ``donor``) to ``kernel``; never raises for bad pairs."""
+    cand = Candidate(kernel, donor, record, adapt=adapt)
+    if not kernel.compatible(donor.kernel):
+        cand.reason = (f"incompatible structure: {donor.kernel.anchor_op}/{donor.kernel.iter_kinds} "
+                       f"vs {kernel.anchor_op}/{kernel.iter_kinds}")
+        return cand
+    try:
+        _, full = materialize(donor, record)
+        trace = _strip_postproc(full)
+    except Exception as e:
+        cand.reason = f"apply error: donor trace does not load: {_short(e)}"
+        return cand
+    if adapt == "ttrank":
+        try:
+            plan = _tile_plan(trace, kernel.mod)
+        except Exception as e:
+            plan = []
+            log.debug("tile plan failed for %s: %s", cand.id, e)
+        for inst, change in plan:
+            trace = trace.with_decision(inst, [int(x) for x in change.new], remove_postproc=True)
+            cand.tile_changes.append(change)
+    same_blocks = _block_names(kernel.mod) == _block_names(donor.module())
+    methods = ["replay", "anchor"] if same_blocks else ["anchor", "replay"]
+    errors = []
+    for method in methods:
+        try:
+            sch = _apply(kernel.mod, trace, method, target)
+            if not _postprocess(sch, target):
+                errors.append(f"{method}: a postprocessor rejected the schedule")
+                continue
+            cand.mod, cand.method, cand.status, cand.reason = sch.mod, method, VALID, ""
+            return cand
+        except Exception as e:
+            errors.append(f"{method}: {_short(e)}")
+    cand.reason = "apply error: " + "; ".join(errors)
+    return cand
+
+
+def _short(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = next((ln for ln in reversed(lines) if "Error" in ln or "Check" in ln), lines[-1] if lines else "")
+    return f"{type(e).__name__}: {msg}"[:300]
