@@ -15,6 +15,28 @@ from ttrank import zoo
 os.environ.setdefault("TTRANK_CACHE", str(Path(__file__).parent.parent / ".pytest-cache-ttrank"))
 
 
+DONOR_KERNELS = ["fused_conv2d1_add1_relu1", "fused_conv2d4_add3", "fused_matmul_add8"]
+
+
+@pytest.fixture(scope="session")
+def target():
+    from ttrank.target import make_target
+
+    return make_target()
+
+
+@pytest.fixture(scope="session")
+def donor_dir(tmp_path_factory) -> Path:
+    """A real MetaSchedule database: three tiny_resnet kernels, 6 trials each."""
+    from ttrank.cli import main
+
+    out = tmp_path_factory.mktemp("donors") / "tiny_resnet"
+    rc = main(["tune", "zoo:tiny_resnet", "--out", str(out), "--trials-per-task", "6",
+               "--only", *DONOR_KERNELS, "--no-progress"])
+    assert rc == 0
+    return out
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

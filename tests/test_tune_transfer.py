@@ -17,22 +17,7 @@ from ttrank.cli import main
 from ttrank.target import make_target
 from ttrank.tune import count_trials, repair_database
 
-DONOR_KERNELS = ["fused_conv2d1_add1_relu1", "fused_conv2d4_add3", "fused_matmul_add8"]
-
-
-@pytest.fixture(scope="session")
-def target():
-    return make_target()
-
-
-@pytest.fixture(scope="session")
-def donor_dir(tmp_path_factory) -> Path:
-    """A real MetaSchedule database: three tiny_resnet kernels, 6 trials each."""
-    out = tmp_path_factory.mktemp("donors") / "tiny_resnet"
-    rc = main(["tune", "zoo:tiny_resnet", "--out", str(out), "--trials-per-task", "6",
-               "--only", *DONOR_KERNELS, "--no-progress"])
-    assert rc == 0
-    return out
+from conftest import DONOR_KERNELS
 
 
 def test_tune_writes_a_standard_database_and_trial_log(donor_dir):

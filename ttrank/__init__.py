@@ -1,3 +1,55 @@
 """ttrank: compile a new network fast by ranking and reusing schedules tuned for other networks."""
 
 __version__ = "0.1.0"
+
+from .engine import KernelReport, Result  # noqa: E402
+from .errors import TTRankError  # noqa: E402
+from .transfer import Candidate  # noqa: E402
+
+
+def load(path, input_shapes=None):
+    """Load an ONNX model (``input_shapes``: {name: [dims]} for dynamic inputs)."""
+    from .frontend import load as _load
+
+    return _load(path, input_shapes)
+
+
+def _as_model(model, input_shapes=None):
+    from .frontend import LoadedModel
+
+    return model if isinstance(model, LoadedModel) else load(model, input_shapes)
+
+
+def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, target=None,
+         exclude_networks=(), input_shapes=None):
+    """Rank donor schedules without measuring.
+
+    For a :class:`~ttrank.kernels.Kernel`, the list of its best ``k`` Candidates (all if None);
+    for a model (path or LoadedModel), a dict kernel name -> that list. Each Candidate carries
+    the donor record (id, network, kernel, trace), the predicted score and the features.
+    """
+    from .donors import DonorStore
+    from .engine import rank_kernel
+    from .kernels import Kernel, extract
+    from .ranker import Ranker
+    from .target import make_target
+
+    target = target if target is not None else make_target()
+    store = store if store is not None else DonorStore.load(target=target)
+    ranker = ranker if ranker is not None else Ranker.load()
+    if isinstance(model_or_kernel, Kernel):
+        return rank_kernel(model_or_kernel, store, ranker, set(exclude_networks))[:k]
+    model = _as_model(model_or_kernel, input_shapes)
+    return {kern.name: rank_kernel(kern, store, ranker, set(exclude_networks))[:k]
+            for kern in extract(model.mod, target)}
+
+
+def recommend(model, *, input_shapes=None, **kwargs) -> Result:
+    """Transfer-tune a model end to end; see :func:`ttrank.engine.recommend` for the options.
+
+    Returns a :class:`Result`: chosen schedules per kernel, the database path, the compiled
+    module (``result.compiled``), latencies and the per-kernel report.
+    """
+    from .engine import recommend as _recommend
+
+    return _recommend(_as_model(model, input_shapes), **kwargs)

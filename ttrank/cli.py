@@ -274,6 +274,179 @@ def cmd_donors(args) -> int:
     return 0
 
 
+def _runner_spec(args):
+    from .measure import RunnerSpec
+
+    if getattr(args, "rpc_tracker", None):
+        if not args.device_key:
+            raise TTRankError("--rpc-tracker needs --device-key KEY")
+        return RunnerSpec.from_tracker(args.rpc_tracker, args.device_key)
+    return RunnerSpec()
+
+
+def cmd_recommend(args) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import engine
+    from .donors import DonorStore
+    from .ranker import Ranker
+    from .target import make_target
+
+    con = _console()
+    model = load_model_arg(args.model, args.input_shape)
+    target = make_target(args.target)
+    ranker = Ranker.load(args.ranker)
+    store = DonorStore.load(args.donors or None, target=target if not args.any_target else None)
+    exclude = set(args.exclude_network or [])
+    if args.leave_one_out:
+        exclude.add(args.model[4:] if args.model.startswith("zoo:") else model.name)
+    output = args.output or f"{model.name}.so"
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=con, transient=True,
+                  disable=args.no_progress) as bar:
+        jobs: dict[str, int] = {}
+
+        def on_progress(phase: str, done: int, total: int, info: str) -> None:
+            if phase not in jobs:
+                jobs[phase] = bar.add_task(phase, total=total, info="")
+            bar.update(jobs[phase], completed=done, total=total, info=info[:50])
+
+        res = engine.recommend(model, target=target, store=store, ranker=ranker, top_k=args.top_k,
+                               output=output, database_dir=args.database, runner=_runner_spec(args),
+                               data_dir=args.data_dir, exclude_networks=exclude,
+                               tune_missing=args.tune_missing, on_progress=on_progress)
+    _print_report(con, res)
+    if args.json:
+        from .util import atomic_write_json
+
+        atomic_write_json(args.json, res.to_json())
+        con.print(f"report: {args.json}")
+    return 0
+
+
+def _print_report(con, res) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{res.model}: per-kernel choices")
+    for col in ("kernel", "class", "shape", "w", "donor (network/kernel)", "rank", "score",
+                "untuned ms", "ttrank ms", "speedup", "note"):
+        t.add_column(col, overflow="fold")
+    for k in sorted(res.kernels, key=lambda k: -(k.untuned_s or 0) * k.weight):
+        ch = k.chosen or {}
+        sp = (k.untuned_s / ch["latency_s"]) if ch and k.untuned_s and ch.get("latency_s") else None
+        note = k.why or ""
+        if k.rejections:
+            note = (note + "; " if note else "") + f"{len(k.rejections)} rejected: " + \
+                "; ".join(sorted({r[1].split(':')[0] for r in k.rejections}))
+        t.add_row(k.name, k.workload_class, "x".join(map(str, k.extents)), str(k.weight),
+                  f"{ch['donor_network']}/{ch['donor_kernel']}" if ch else "-",
+                  str(ch.get("rank", "-")) if ch else "-",
+                  f"{ch['score']:.2f}" if ch and ch.get("score") is not None else "-",
+                  f"{k.untuned_s * 1e3:.3f}" if k.untuned_s else "-",
+                  f"{ch['latency_s'] * 1e3:.3f}" if ch else "-",
+                  f"{sp:.1f}x" if sp else "-", note[:120])
+    con.print(t)
+    lat, s = res.model_latency_ms, res.search_seconds
+    tuned = sum(1 for k in res.kernels if k.status != "untuned")
+    con.print(f"kernels tuned: {tuned}/{len(res.kernels)}")
+    if lat:
+        con.print(f"model latency: untuned ~{lat.get('untuned_estimated_from_kernels', 0):.1f} ms "
+                  f"(sum of kernels), ttrank {lat['tuned']:.2f} ms, onnxruntime "
+                  f"{lat['onnxruntime']:.2f} ms")
+    con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
+              f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
+    if res.max_abs_error_vs_onnxruntime is not None:
+        con.print(f"outputs match onnxruntime: max abs error {res.max_abs_error_vs_onnxruntime:.3g}")
+    con.print(f"database: {res.database}" + (f"\nlibrary: {res.library}" if res.library else ""))
+
+
+def cmd_train(args) -> int:
+    from . import training
+    from .ranker import DEFAULT_MODEL, Ranker
+
+    con = _console()
+    out = Path(args.out) if args.out else DEFAULT_MODEL
+    before = None
+    if args.logs:
+        from . import collect as coll
+        from .donors import DonorStore, add_work_dir
+        from .measure import Measurer
+        from .target import make_target
+        from .util import cache_dir
+
+        target = make_target(args.target)
+        names = []
+        for d in args.logs:
+            dest, rep = add_work_dir(d)
+            names.append(dest.name)
+            con.print(f"ingested {d} as donor network {dest.name!r}: {rep.workloads} kernels, "
+                      f"{rep.kept} records")
+        if out.exists():
+            try:
+                before = Ranker.load(out).metadata.get("evaluation", {}).get("leave_one_network_out")
+            except TTRankError:
+                before = None
+        store = DonorStore.load(target=target)
+        new = store.without({w.network for w in store.workloads} - set(names))
+        data = cache_dir() / "data" / "measurements"
+        measurer = Measurer(target)
+        deadline = time.time() + 60 * args.budget_minutes
+        try:
+            for net in args.networks:
+                left = deadline - time.time()
+                if left <= 0:
+                    break
+                model = load_model_arg(f"zoo:{net}", [])
+                st = coll.collect(net, model, new, data, target, measurer, budget_s=left,
+                                  max_per_kernel=args.max_per_kernel)
+                con.print(f"{net}: measured {st.measured} new pairs ({st.valid} valid)")
+        finally:
+            measurer.close()
+    report = training.train(out=out, n_estimators=args.trees)
+    avg = report.get("objectives", {}).get(report["objective"], {}).get("average")
+    con.print(f"trained on {report['rows']} candidates in {report['groups']} kernel groups from "
+              f"{len(report['networks'])} networks; objective {report['objective']}; saved {out}")
+    if avg:
+        con.print("leave-one-network-out: " + ", ".join(f"{k} {v:.3f}" for k, v in avg.items()))
+    if before:
+        con.print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
+    return 0
+
+
+def cmd_collect(args) -> int:
+    from . import collect as coll
+    from .donors import DonorStore
+    from .measure import Measurer
+    from .target import make_target
+
+    con = _console()
+    target = make_target(args.target)
+    store = DonorStore.load(args.donors or None, target=target)
+    measurer = Measurer(target)
+    deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+    try:
+        for net in args.networks:
+            left = deadline - time.time() if deadline else None
+            if left is not None and left <= 0:
+                con.print("budget spent")
+                break
+            model = load_model_arg(f"zoo:{net}", [])
+            st = coll.collect(net, model, store, args.out, target, measurer, budget_s=left,
+                              max_per_kernel=args.max_per_kernel,
+                              records_per_donor=args.records_per_donor,
+                              on_progress=lambda s, i: con.print(
+                                  f"  {s.network}: kernel {i + 1}/{s.kernels}, {s.measured} measured, "
+                                  f"{s.valid} valid, {s.wrong} wrong, {s.rejected} rejected")
+                              if not args.quiet else None)
+            con.print(f"{net}: {st.measured} measured ({st.valid} valid, {st.wrong} wrong result, "
+                      f"{st.rejected} rejected), {st.skipped_existing} already present"
+                      + (", stopped by budget" if st.stopped_by_budget else ""))
+    finally:
+        measurer.close()
+    return 0
+
+
 def _measure_tuned_model(model, target, work_dir: str, con) -> None:
     """Record whole-model latency (untuned, tuned, onnxruntime) in the tune manifest, once."""
     from . import engine
@@ -346,6 +519,48 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("dir")
     da.add_argument("--name", help="donor network name (default: the folder name)")
     d.set_defaults(func=cmd_donors)
+
+    r = sub.add_parser("recommend", help="transfer-tune a model: rank, measure top-k, compile, check")
+    _add_model_args(r)
+    r.add_argument("-o", "--output", help="compiled library (default: MODEL.so)")
+    r.add_argument("--top-k", type=int, default=3, help="candidates measured per kernel")
+    r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
+    r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
+    r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")
+    r.add_argument("--donors", nargs="+", help="donor work_dirs (default: datasets/donors/* and added)")
+    r.add_argument("--any-target", action="store_true", help="also use donor records of other targets")
+    r.add_argument("--exclude-network", action="append", help="ignore this donor network")
+    r.add_argument("--leave-one-out", action="store_true",
+                   help="ignore donors tuned on this same network (for evaluation)")
+    r.add_argument("--tune-missing", type=int, default=0, metavar="N",
+                   help="tune kernels with no compatible donor with MetaSchedule, N trials each")
+    r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on a device behind a TVM RPC tracker")
+    r.add_argument("--device-key", help="the device's key at the tracker")
+    r.add_argument("--data-dir", help="where measurements accumulate (default: ~/.cache/ttrank/data)")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=cmd_recommend)
+
+    tr = sub.add_parser("train", help="retrain the ranker (optionally on new tuning logs)")
+    tr.add_argument("--logs", nargs="+", help="MetaSchedule work_dirs to ingest as donors first")
+    tr.add_argument("--networks", nargs="+", default=["tiny_cnn", "tiny_resnet", "tiny_mobilenet"],
+                    help="zoo networks to cross-measure the new donors on")
+    tr.add_argument("--budget-minutes", type=float, default=10.0)
+    tr.add_argument("--max-per-kernel", type=int, default=20)
+    tr.add_argument("--trees", type=int, default=300)
+    tr.add_argument("--out", help="ranker file (default: models/ranker.json)")
+    tr.add_argument("--target", default=None)
+    tr.set_defaults(func=cmd_train)
+
+    co = sub.add_parser("collect", help="cross-measure donor schedules on zoo networks (resumable)")
+    co.add_argument("networks", nargs="+")
+    co.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "datasets" / "measurements"))
+    co.add_argument("--donors", nargs="+")
+    co.add_argument("--budget-minutes", type=float, default=None)
+    co.add_argument("--max-per-kernel", type=int, default=40)
+    co.add_argument("--records-per-donor", type=int, default=2)
+    co.add_argument("--target", default=None)
+    co.add_argument("--quiet", action="store_true")
+    co.set_defaults(func=cmd_collect)
     return p
 
 

@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +174,336 @@ def model_latencies(model: LoadedModel, target, database=None, repeat: int = 3,
     out["onnxruntime"] = onnxruntime_time_ms(model, feed, repeat=repeat)
     out["provenance"] = provenance(target)
     return out
+
+
+# ============================================================================================
+# recommend: rank -> measure top-k -> choose -> database -> compile -> check
+
+
+@dataclass
+class KernelReport:
+    """What happened to one kernel in a recommend run."""
+
+    name: str
+    workload_class: str
+    extents: list
+    weight: int
+    flops: float
+    untuned_s: float | None = None
+    status: str = "untuned"  # tuned / untuned / tuned-missing
+    why: str = ""
+    chosen: dict | None = None  # donor network, kernel, record, rank, score, latency_s, method
+    candidates: int = 0  # compatible candidates ranked
+    measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
+    rejections: list = field(default_factory=list)  # (donor record, reason)
+
+    @property
+    def best_s(self) -> float | None:
+        return self.chosen["latency_s"] if self.chosen else self.untuned_s
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Result:
+    """The outcome of :func:`recommend`."""
+
+    model: str
+    kernels: list[KernelReport]
+    database: str | None
+    library: str | None
+    model_latency_ms: dict
+    max_abs_error_vs_onnxruntime: float | None
+    search_seconds: dict
+    target: str
+    compiled: object = field(default=None, repr=False)
+    provenance: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "target": self.target, "database": self.database,
+                "library": self.library, "model_latency_ms": self.model_latency_ms,
+                "max_abs_error_vs_onnxruntime": self.max_abs_error_vs_onnxruntime,
+                "search_seconds": self.search_seconds, "provenance": self.provenance,
+                "kernels": [k.to_json() for k in self.kernels]}
+
+
+def rank_kernel(kernel, store, ranker, exclude_networks=frozenset()) -> list:
+    """Every compatible donor schedule for ``kernel``, scored and sorted best first (no measuring)."""
+    import numpy as np
+
+    from .features import pair_features, vector
+    from .transfer import Candidate
+
+    pairs = store.compatible(kernel, set(exclude_networks))
+    if not pairs:
+        return []
+    feats = [pair_features(kernel, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank)
+             for w, r in pairs]
+    scores = ranker.predict(np.asarray([vector(f) for f in feats], dtype=np.float32))
+    cands = [Candidate(kernel, w, r, score=float(s), features=f)
+             for (w, r), s, f in zip(pairs, scores, feats)]
+    cands.sort(key=lambda c: -c.score)
+    return cands
+
+
+def _cache_rows(path: Path) -> dict[tuple[str, str], dict]:
+    from .collect import measurement_key
+    from .util import read_jsonl
+
+    return {measurement_key(r): r for r in read_jsonl(path)}
+
+
+def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k: int = 3,
+              output: str | Path | None = None, database_dir: str | Path | None = None,
+              runner=None, data_dir: str | Path | None = None, exclude_networks=frozenset(),
+              tune_missing: int = 0, check: bool = True, time_model: bool = True,
+              on_progress=None) -> Result:
+    """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
+
+    Measurements are appended to ``data_dir/measurements/<model>.jsonl`` as they finish (the
+    collector's format, so ``ttrank train`` learns from them), and a rerun reuses them.
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    from . import kernels as kmod
+    from .collect import UNTUNED, compact_provenance
+    from .donors import DonorStore
+    from .measure import Measurer, RunnerSpec
+    from .ranker import Ranker
+    from .target import make_target, provenance, target_key
+    from .transfer import transfer
+    from .util import append_jsonl, cache_dir
+
+    t_start = time.time()
+    target = target if target is not None else make_target()
+    store = store if store is not None else DonorStore.load(target=target)
+    if not store.workloads:
+        raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
+                          "or added with `ttrank donors add DIR`")
+    ranker = ranker if ranker is not None else Ranker.load()
+    prov = compact_provenance(provenance(target))
+    tkey = target_key(target)
+    data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
+    table = data_dir / "measurements" / f"{model.name}.jsonl"
+    cached = {k: r for k, r in _cache_rows(table).items()
+              if r.get("target_key", tkey) == tkey and r.get("provenance", {}).get("mcpu") == prov.get("mcpu")}
+
+    def progress(phase: str, done: int, total: int, info: str = "") -> None:
+        if on_progress:
+            on_progress(phase, done, total, info)
+
+    # 1-3: kernels and ranking
+    t0 = time.time()
+    kernels = [k for k in kmod.extract(model.mod, target)]
+    reports: dict[str, KernelReport] = {}
+    ranked: dict[str, list] = {}
+    for i, k in enumerate(kernels):
+        reports[k.name] = KernelReport(k.name, k.workload_class, k.extents, k.weight, k.flops)
+        ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks)
+        reports[k.name].candidates = len(ranked[k.name])
+        progress("ranking", i + 1, len(kernels), k.name)
+    t_rank = time.time() - t0
+
+    # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one
+    t0 = time.time()
+    measurer = Measurer(target, runner or RunnerSpec())
+    baseline = Measurer(target, RunnerSpec(**{**(runner or RunnerSpec()).__dict__,
+                                              "number": 1, "repeat": 1, "min_repeat_ms": 0}),
+                        builder=measurer.builder)
+    chosen: dict[str, object] = {}
+    try:
+        for i, k in enumerate(kernels):
+            rep = reports[k.name]
+            cands = ranked[k.name]
+            if not cands:
+                rep.why = "no compatible donor schedule"
+                progress("measuring", i + 1, len(kernels), k.name)
+                continue
+            row = cached.get((k.workload_hash, UNTUNED))
+            if row is None:
+                m = baseline.measure([k.mod])[0]
+                row = {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
+                       "class": k.workload_class, "record": UNTUNED, "status": m.status,
+                       "latency_s": m.latency_s, "reason": m.error[:300], "provenance": prov,
+                       "target_key": tkey}
+                append_jsonl(table, row)
+            rep.untuned_s = row["latency_s"]
+            # transfer in rank order until k candidates apply (a rejected one costs little)
+            picked = []
+            for c in cands:
+                if len(picked) >= top_k:
+                    break
+                cached_row = cached.get((k.workload_hash, c.record.id))
+                if cached_row is not None and cached_row["status"] != "ok":
+                    rep.rejections.append((c.record.id, cached_row.get("reason", cached_row["status"])))
+                    picked.append((c, cached_row))
+                    continue
+                t = transfer(c.record, k, c.donor, target)
+                t.score, t.features = c.score, c.features
+                if not t.ok:
+                    rep.rejections.append((c.record.id, t.reason))
+                    continue
+                picked.append((t, cached_row))
+            todo = [t for t, r in picked if r is None]
+            results = measurer.measure([t.mod for t in todo], reference=k.mod,
+                                       reference_key=k.workload_hash) if todo else []
+            fresh = {}
+            for t, m in zip(todo, results):
+                r = {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
+                     "class": k.workload_class, "record": t.record.id,
+                     "donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
+                     "donor_rank": t.record.rank, "status": m.status if not m.ok else "ok",
+                     "reason": m.error[:300], "latency_s": m.latency_s, "untuned_s": rep.untuned_s,
+                     "method": t.method, "adapt": t.adapt, "tile_changes": len(t.tile_changes),
+                     "score": t.score, "provenance": prov, "target_key": tkey}
+                append_jsonl(table, r)
+                fresh[id(t)] = r
+            best = None
+            for rank_pos, (t, r) in enumerate(picked):
+                r = r or fresh.get(id(t))
+                rep.measured.append({"donor": t.record.id, "rank": rank_pos, "score": t.score,
+                                     "status": r["status"], "latency_s": r["latency_s"]})
+                if r["status"] != "ok":
+                    if (t.record.id, r.get("reason")) not in rep.rejections:
+                        rep.rejections.append((t.record.id, r.get("reason") or r["status"]))
+                    continue
+                if best is None or r["latency_s"] < best[1]["latency_s"]:
+                    best = (t, r, rank_pos)
+            if best is None:
+                rep.why = "every measured candidate failed"
+            elif rep.untuned_s is not None and best[1]["latency_s"] >= rep.untuned_s:
+                rep.why = "no candidate beat the untuned kernel"
+            else:
+                t, r, pos = best
+                if t.trace is None:  # measured in an earlier run: re-apply (deterministic)
+                    t = transfer(t.record, k, t.donor, target)
+                    t.score = r.get("score")
+                if t.ok:
+                    chosen[k.name] = t
+                    rep.status = "tuned"
+                    rep.chosen = {"donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
+                                  "record": t.record.id, "rank": pos, "score": t.score,
+                                  "latency_s": r["latency_s"], "method": t.method,
+                                  "tile_changes": [c.to_json() for c in t.tile_changes]}
+            progress("measuring", i + 1, len(kernels), k.name)
+    finally:
+        measurer.close()
+    t_measure = time.time() - t0
+
+    # optional: MetaSchedule for the kernels no donor covers
+    t0 = time.time()
+    missing = [k for k in kernels if reports[k.name].why == "no compatible donor schedule" and k.tunable]
+    extra_db = None
+    if tune_missing > 0 and missing:
+        from .tune import tune
+
+        import tempfile
+        work = Path(tempfile.mkdtemp(prefix="ttrank-tune-missing-"))
+        tune(model.mod, work, trials_per_task=tune_missing, target=target, model_name=model.name,
+             only=[k.name for k in missing])
+        extra_db = ms.database.JSONDatabase(work_dir=str(work))
+        for k in missing:
+            recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
+            if recs:
+                reports[k.name].status = "tuned-missing"
+                reports[k.name].why = f"tuned with MetaSchedule ({tune_missing} trials)"
+                reports[k.name].chosen = {"donor_network": "metaschedule", "donor_kernel": k.name,
+                                          "record": None, "rank": 0, "score": None,
+                                          "latency_s": float(min(float(s) for s in recs[0].run_secs)),
+                                          "method": "tuned"}
+    t_tune = time.time() - t0
+
+    # 6: the MetaSchedule database
+    t0 = time.time()
+    db_dir = Path(database_dir) if database_dir else (
+        Path(output).with_suffix("") if output else data_dir / "databases" / model.name)
+    database = write_database(db_dir, kernels, chosen, target, reports, extra_db)
+
+    # 7-8: compile, export, check
+    ex = compile_model(model, target, database)
+    compiled = CompiledModel.from_executable(ex, model)
+    max_err = None
+    if check:
+        res = check_against_onnxruntime(compiled, model)
+        max_err = res.max_abs_error
+        if not res.ok:
+            culprits = _find_culprits(model, target, db_dir, [k for k in kernels if k.name in chosen],
+                                      chosen, reports, extra_db)
+            raise CheckError(f"compiled outputs differ from onnxruntime (max abs error "
+                             f"{res.max_abs_error:.3g}); kernels at fault: {', '.join(culprits)}; "
+                             f"no library was written")
+    library = str(export(ex, output)) if output else None
+    t_compile = time.time() - t0
+
+    lat = {}
+    if time_model:
+        feed = model.random_inputs()
+        lat["tuned"] = compiled.time_ms(feed)
+        lat["untuned_estimated_from_kernels"] = 1e3 * sum(
+            r.weight * r.untuned_s for r in reports.values() if r.untuned_s)
+        lat["onnxruntime"] = onnxruntime_time_ms(model, feed)
+    return Result(model.name, list(reports.values()), str(db_dir), library, lat, max_err,
+                  {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
+                   "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
+                   "total": round(time.time() - t_start, 2)},
+                  str(target), compiled, provenance(target))
+
+
+def write_database(db_dir: Path, kernels, chosen: dict, target, reports=None, extra_db=None):
+    """A fresh JSONDatabase holding one record per chosen kernel (written beside, then swapped)."""
+    import shutil
+
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    db_dir = Path(db_dir)
+    tmp = db_dir.with_name(f".{db_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    db = ms.database.JSONDatabase(work_dir=str(tmp))
+    for k in kernels:
+        func = k.mod[[gv for gv in k.mod.functions][0]]
+        if k.name in chosen:
+            c = chosen[k.name]
+            lat = (reports[k.name].chosen or {}).get("latency_s", 1.0) if reports else 1.0
+            wl = db.commit_workload(k.mod)
+            db.commit_tuning_record(ms.database.TuningRecord(
+                c.trace, wl, [float(lat)], target, ArgInfo.from_prim_func(func)))
+        elif extra_db is not None and extra_db.has_workload(k.mod):
+            for rec in extra_db.get_top_k(extra_db.commit_workload(k.mod), 1):
+                wl = db.commit_workload(k.mod)
+                db.commit_tuning_record(ms.database.TuningRecord(
+                    rec.trace, wl, rec.run_secs, target, ArgInfo.from_prim_func(func)))
+    old = db_dir.with_name(f".{db_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if db_dir.exists():
+        db_dir.rename(old)
+    tmp.rename(db_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return ms.database.JSONDatabase(work_dir=str(db_dir))
+
+
+def _find_culprits(model, target, db_dir: Path, tuned_kernels, chosen, reports, extra_db) -> list[str]:
+    """Bisect the transferred kernels for the ones that change the model's outputs."""
+    suspects = list(tuned_kernels)
+    probe = db_dir.with_name(f".{db_dir.name}.probe")
+
+    def bad(subset) -> bool:
+        db = write_database(probe, subset, {k.name: chosen[k.name] for k in subset}, target, reports)
+        cm = CompiledModel.from_executable(compile_model(model, target, db), model)
+        return not check_against_onnxruntime(cm, model).ok
+
+    try:
+        if not suspects:
+            return ["(none transferred: the untuned model itself differs)"]
+        while len(suspects) > 1:
+            half = suspects[: len(suspects) // 2]
+            suspects = half if bad(half) else suspects[len(suspects) // 2:]
+        return [suspects[0].name]
+    except Exception:
+        return [k.name for k in tuned_kernels]
+    finally:
+        import shutil
+
+        shutil.rmtree(probe, ignore_errors=True)

@@ -60,6 +60,7 @@ class Candidate:
     adapt: str = "ttrank"  # ttrank (deliberate tile adaptation) / tvm (TVM's own re-sampling)
     tile_changes: list[TileChange] = field(default_factory=list)
     mod: Any = field(default=None, repr=False)  # the scheduled target IRModule
+    trace: Any = field(default=None, repr=False)  # its s_tir.Trace (replays onto kernel.mod)
     score: float | None = None  # the ranker's score
     features: dict | None = field(default=None, repr=False)
 
@@ -239,7 +240,8 @@ def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
             if not _postprocess(sch, target):
                 errors.append(f"{method}: a postprocessor rejected the schedule")
                 continue
-            cand.mod, cand.method, cand.status, cand.reason = sch.mod, method, VALID, ""
+            cand.mod, cand.trace, cand.method, cand.status, cand.reason = (
+                sch.mod, sch.trace, method, VALID, "")
             return cand
         except Exception as e:
             errors.append(f"{method}: {_short(e)}")

@@ -1,0 +1,158 @@
+"""The learning and recommend pipeline end to end on tiny models: collect cross-measurements,
+train the XGBoost ranker, rank without measuring, recommend, learn from the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ttrank
+from ttrank import collect, donors, frontend, measure
+from ttrank.cli import main
+from ttrank.errors import RankerError
+from ttrank.evaluate import evaluate, group_metrics, leave_one_network_out
+from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
+from ttrank.ranker import Ranker, meta_path
+
+
+@pytest.fixture(scope="session")
+def measurements(donor_dir, tiny_cnn, target, tmp_path_factory) -> Path:
+    """Real cross-measurements: tiny_resnet's schedules on tiny_cnn's kernels."""
+    out = tmp_path_factory.mktemp("measurements")
+    store = donors.DonorStore.load([donor_dir], use_cache=False)
+    m = measure.Measurer(target)
+    try:
+        stats = collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
+                                max_per_kernel=12)
+    finally:
+        m.close()
+    assert stats.measured > 0 and stats.valid > 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained(measurements, donor_dir, tmp_path_factory) -> Path:
+    store = donors.DonorStore.load([donor_dir])
+    ds = collect.build_dataset([measurements], store)
+    assert ds.X.shape[1] == len(FEATURE_NAMES) and len(ds.groups) >= 2
+    path = tmp_path_factory.mktemp("models") / "ranker.json"
+    Ranker(objective="rank:pairwise", n_estimators=40).fit(ds.X, ds.y, ds.groups).save(path, note="test")
+    return path
+
+
+def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):
+    table = measurements / "tiny_cnn.jsonl"
+    before = table.read_text()
+    store = donors.DonorStore.load([donor_dir])
+    m = measure.Measurer(target)
+    try:
+        stats = collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, measurements, target, m,
+                                max_per_kernel=12)
+    finally:
+        m.close()
+    assert stats.measured == 0 and stats.skipped_existing > 0
+    assert table.read_text() == before
+    rows = [json.loads(l) for l in before.splitlines()]
+    assert all(r["provenance"]["cpu"] and r["provenance"]["tvm"] for r in rows)
+    assert {r["status"] for r in rows} <= {"ok", "rejected", "wrong_result", "build_error",
+                                           "run_error", "timeout"}
+
+
+def test_ranker_save_load_refuses_other_schema(trained, tmp_path):
+    r = Ranker.load(trained)
+    assert r.metadata["feature_version"] == FEATURE_VERSION and r.metadata["note"] == "test"
+    X = np.random.default_rng(0).random((5, len(FEATURE_NAMES)), dtype=np.float32)
+    assert np.allclose(r.predict(X), Ranker.load(trained).predict(X))
+    bad = tmp_path / "old.json"
+    bad.write_bytes(trained.read_bytes())
+    meta = json.loads(meta_path(trained).read_text())
+    meta["feature_version"] = FEATURE_VERSION + 1
+    meta_path(bad).write_text(json.dumps(meta))
+    with pytest.raises(RankerError, match="feature schema"):
+        Ranker.load(bad)
+    (tmp_path / "cut.json").write_bytes(trained.read_bytes()[:100])
+    meta_path(tmp_path / "cut.json").write_text(meta_path(trained).read_text())
+    with pytest.raises(RankerError):
+        Ranker.load(tmp_path / "cut.json")
+
+
+def test_metrics_on_known_orders():
+    lat = [4.0, 1.0, 2.0, None]
+    assert group_metrics(lat, np.array([0.0, 1.0, 0.5, 0.9]))["top1"] == 1.0
+    m = group_metrics(lat, np.array([1.0, 0.0, 0.5, 0.9]))
+    assert m["top1"] == 0.25 and m["top3"] == 0.5 and m["within5"] == 0.0
+
+
+def test_rank_returns_scored_candidates_without_measuring(trained, donor_dir, tiny_cnn):
+    model = frontend.load(tiny_cnn)
+    ranked = ttrank.rank(model, store=donors.DonorStore.load([donor_dir]),
+                         ranker=Ranker.load(trained), k=3)
+    conv = ranked["fused_conv2d1_add_relu"]
+    assert 0 < len(conv) <= 3
+    assert all(c.mod is None for c in conv)  # nothing applied or measured
+    assert conv[0].score >= conv[-1].score
+    c = conv[0]
+    assert c.donor.network == "tiny_resnet" and c.record.trace_json and c.features
+
+
+def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    rc = main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(trained),
+               "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
+               "--top-k", "2", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    r = json.loads(report.read_text())
+    assert r["max_abs_error_vs_onnxruntime"] < 1e-3
+    assert r["model_latency_ms"]["tuned"] > 0 and r["model_latency_ms"]["onnxruntime"] > 0
+    assert r["search_seconds"]["total"] > 0
+    tuned = [k for k in r["kernels"] if k["status"] == "tuned"]
+    assert tuned and all(k["chosen"]["latency_s"] < k["untuned_s"] for k in tuned)
+    assert any(k["why"] == "no compatible donor schedule" for k in r["kernels"])
+    assert (tmp_path / "cnn.so").exists()
+    # the database is a plain MetaSchedule database
+    from tvm.s_tir import meta_schedule as ms
+
+    db = ms.database.JSONDatabase(work_dir=r["database"])
+    assert len(db.get_all_tuning_records()) == len(tuned)
+    # learning from every run: measurements were appended, and a rerun measures nothing new
+    table = tmp_path / "data" / "measurements" / "tiny_cnn.jsonl"
+    n = len(table.read_text().splitlines())
+    assert n > len(tuned)
+    res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
+                           ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
+                           database_dir=tmp_path / "db2", time_model=False)
+    assert len(table.read_text().splitlines()) == n
+    assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_recommend_bad_inputs(trained, tiny_cnn, tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    import ttrank.donors as d
+
+    monkeypatch.setattr(d, "DATASET_DONORS", empty)
+    rc = main(["recommend", str(tiny_cnn), "--ranker", str(trained), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "donor store is empty" in err and "Traceback" not in err
+    meta = json.loads(meta_path(trained).read_text())
+    meta["feature_version"] = 0
+    old = tmp_path / "old.json"
+    old.write_bytes(trained.read_bytes())
+    meta_path(old).write_text(json.dumps(meta))
+    rc = main(["recommend", str(tiny_cnn), "--ranker", str(old), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "feature schema v0" in err
+
+
+def test_leave_one_network_out_holds_out_the_target(measurements, donor_dir):
+    ds = collect.build_dataset([measurements], donors.DonorStore.load([donor_dir]))
+    # one network only: nothing to train on when it is held out
+    res = leave_one_network_out(ds, lambda: Ranker(n_estimators=10))
+    assert res["networks"] == {}
+    scores = Ranker(n_estimators=20).fit(ds.X, ds.y, ds.groups).predict(ds.X)
+    m = evaluate(ds, scores)
+    assert 0 < m["top1"] <= 1 and 0 < m["ndcg5"] <= 1

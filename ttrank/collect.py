@@ -1,0 +1,223 @@
+"""The cross-measurement dataset: donor schedules of other networks, measured on each kernel.
+
+One append-only JSON-lines table per target network, ``<dir>/<network>.jsonl``, one row per
+(target kernel, donor record) plus one ``untuned`` row per kernel, and the target's kernel
+descriptions in ``<dir>/kernels/<network>.json`` so features can be recomputed without TVM
+extraction. Rows already present are never measured again, so a run resumes anywhere.
+
+Sampling: per kernel, every compatible donor kernel of the other networks contributes its
+best ``records_per_donor`` records; when that exceeds ``max_per_kernel``, the best record of
+each donor kernel is kept first (ordered by a seeded shuffle) and the rest filled at random.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .donors import DonorRecord, DonorStore, DonorWorkload
+from .kernels import Kernel
+from .util import append_jsonl, atomic_write_json, read_jsonl
+
+log = logging.getLogger("ttrank")
+
+UNTUNED = "untuned"
+
+
+@dataclass
+class CollectStats:
+    network: str
+    kernels: int = 0
+    measured: int = 0
+    skipped_existing: int = 0
+    valid: int = 0
+    rejected: int = 0
+    wrong: int = 0
+    stopped_by_budget: bool = False
+
+
+def measurement_key(row: dict) -> tuple[str, str]:
+    return row["workload"], row["record"]
+
+
+def load_rows(path: Path) -> list[dict]:
+    return list(read_jsonl(path))
+
+
+def sample_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
+                 max_per_kernel: int, records_per_donor: int, seed: int = 0
+                 ) -> list[tuple[DonorWorkload, DonorRecord]]:
+    pairs = [(w, r) for w, r in pairs if r.rank < records_per_donor]
+    if len(pairs) <= max_per_kernel:
+        return pairs
+    rng = random.Random(f"{seed}-{kernel.workload_hash}")
+    best = [(w, r) for w, r in pairs if r.rank == 0]
+    rest = [(w, r) for w, r in pairs if r.rank > 0]
+    rng.shuffle(best)
+    rng.shuffle(rest)
+    return (best + rest)[:max_per_kernel]
+
+
+def compact_provenance(prov: dict) -> dict:
+    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "tvm", "date") if k in prov}
+
+
+def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], measurer,
+                   target, network: str, untuned_s: float | None, prov: dict,
+                   adapt: str = "ttrank") -> list[dict]:
+    """Transfer and measure each pair on ``kernel``; one row per pair."""
+    from .transfer import transfer
+
+    cands = [transfer(r, kernel, w, target, adapt=adapt) for w, r in pairs]
+    valid = [c for c in cands if c.ok]
+    results = measurer.measure([c.mod for c in valid], reference=kernel.mod,
+                               reference_key=kernel.workload_hash) if valid else []
+    res_of = {id(c): m for c, m in zip(valid, results)}
+    rows = []
+    for c in cands:
+        m = res_of.get(id(c))
+        if m is None:
+            status, lat, reason = "rejected", None, c.reason
+        elif m.ok:
+            status, lat, reason = "ok", m.latency_s, ""
+        else:
+            status, lat, reason = m.status, None, m.error
+        rows.append({"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
+                     "class": kernel.workload_class, "record": c.record.id,
+                     "donor_network": c.donor.network, "donor_kernel": c.donor.kernel.name,
+                     "donor_rank": c.record.rank, "status": status, "reason": reason[:300],
+                     "latency_s": lat, "untuned_s": untuned_s, "method": c.method, "adapt": adapt,
+                     "tile_changes": len(c.tile_changes), "provenance": prov})
+    return rows
+
+
+def collect(network: str, model, store: DonorStore, out_dir: str | Path, target, measurer,
+            max_per_kernel: int = 40, records_per_donor: int = 2, budget_s: float | None = None,
+            seed: int = 0, batch: int = 16, exclude_self: bool = True,
+            on_progress: Callable[[CollectStats, int], None] | None = None) -> CollectStats:
+    """Measure sampled donor schedules of the other networks on every tunable kernel."""
+    from .kernels import extract
+    from .target import provenance
+
+    out_dir = Path(out_dir)
+    table = out_dir / f"{network}.jsonl"
+    kernels = [k for k in extract(model.mod, target) if k.tunable]
+    atomic_write_json(out_dir / "kernels" / f"{network}.json", [k.to_json() for k in kernels])
+    done = {measurement_key(r) for r in load_rows(table)}
+    untuned = {r["workload"]: r["latency_s"] for r in load_rows(table) if r["record"] == UNTUNED}
+    prov = compact_provenance(provenance(target))
+    stats = CollectStats(network, len(kernels))
+    t0 = time.time()
+    exclude = {network} if exclude_self else set()
+    for i, k in enumerate(kernels):
+        if budget_s is not None and time.time() - t0 > budget_s:
+            stats.stopped_by_budget = True
+            break
+        if k.workload_hash not in untuned:
+            m = measurer.measure([k.mod])[0]
+            untuned[k.workload_hash] = m.latency_s
+            append_jsonl(table, {"network": network, "kernel": k.name, "workload": k.workload_hash,
+                                 "class": k.workload_class, "record": UNTUNED, "status": m.status,
+                                 "latency_s": m.latency_s, "reason": m.error[:300],
+                                 "provenance": prov})
+        pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
+        todo = [(w, r) for w, r in pairs if (k.workload_hash, r.id) not in done]
+        stats.skipped_existing += len(pairs) - len(todo)
+        for s in range(0, len(todo), batch):
+            if budget_s is not None and time.time() - t0 > budget_s:
+                stats.stopped_by_budget = True
+                break
+            rows = measure_kernel(k, todo[s:s + batch], measurer, target, network,
+                                  untuned[k.workload_hash], prov)
+            append_jsonl(table, rows)
+            for r in rows:
+                done.add(measurement_key(r))
+                stats.measured += 1
+                stats.valid += r["status"] == "ok"
+                stats.wrong += r["status"] == "wrong_result"
+                stats.rejected += r["status"] not in ("ok", "wrong_result")
+            if on_progress:
+                on_progress(stats, i)
+        if stats.stopped_by_budget:
+            break
+    return stats
+
+
+# --------------------------------------------------------------------------------------------
+# training data
+
+
+@dataclass
+class Dataset:
+    X: "object"  # np.ndarray [n, features]
+    y: "object"  # relevance per row
+    groups: list[int]
+    meta: list[dict]  # per row: network, workload, record, latency_s
+
+    @property
+    def networks(self) -> list[str]:
+        return sorted({m["network"] for m in self.meta})
+
+
+def kernels_of(path: Path) -> dict[str, Kernel]:
+    data = json.loads(path.read_text())
+    out = {}
+    for d in data:
+        d = dict(d)
+        d.pop("shape", None)
+        out[d["workload_hash"]] = Kernel(**d)
+    return out
+
+
+def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Dataset:
+    """Rows of every measurement table in ``dirs``, grouped by target kernel, with features.
+
+    A row whose donor record is no longer in the store is dropped (its features need it).
+    """
+    import numpy as np
+
+    from .features import pair_features, vector
+    from .ranker import relevance
+
+    rec_of: dict[str, tuple[DonorWorkload, DonorRecord]] = {
+        r.id: (w, r) for w in store.workloads for r in w.records}
+    X, y, groups, meta = [], [], [], []
+    for d in dirs:
+        for table in sorted(Path(d).glob("*.jsonl")):
+            kfile = Path(d) / "kernels" / f"{table.stem}.json"
+            if not kfile.exists():
+                continue
+            kernels = kernels_of(kfile)
+            by_kernel: dict[str, dict[str, dict]] = {}
+            for row in read_jsonl(table):
+                if row.get("record") == UNTUNED or row["workload"] not in kernels:
+                    continue
+                by_kernel.setdefault(row["workload"], {})[row["record"]] = row  # last wins
+            for wh, rows in by_kernel.items():
+                usable = [r for r in rows.values() if r["record"] in rec_of]
+                if len(usable) < min_group:
+                    continue
+                k = kernels[wh]
+                lat = [r["latency_s"] if r["status"] == "ok" else None for r in usable]
+                if not any(lat):
+                    continue
+                rel = relevance(lat)
+                for r, rv in zip(usable, rel):
+                    w, rec = rec_of[r["record"]]
+                    X.append(vector(pair_features(k, w.kernel, rec.trace_json, rec.latency_s,
+                                                  w.best_s, rec.rank)))
+                    y.append(rv)
+                    meta.append({"network": r["network"], "workload": wh, "record": r["record"],
+                                 "latency_s": r["latency_s"], "weight": k.weight,
+                                 "donor_network": r.get("donor_network"),
+                                 "untuned_s": r.get("untuned_s")})
+                groups.append(len(usable))
+    from .features import FEATURE_NAMES
+
+    return Dataset(np.asarray(X, dtype=np.float32).reshape(-1, len(FEATURE_NAMES)),
+                   np.asarray(y, dtype=np.float32), groups, meta)

@@ -1,0 +1,134 @@
+"""Ranking metrics and leave-one-network-out evaluation.
+
+top-k score (TenSet): for each target kernel, best latency among all measured candidates
+divided by the best latency among the model's top-k; averaged with kernel weights x best
+latency (the kernel's share of the model's time). NDCG@5 uses the relevances in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+
+from .collect import Dataset
+
+
+def _groups(ds: Dataset) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for g in ds.groups:
+        out.append((start, start + g))
+        start += g
+    return out
+
+
+def group_metrics(lat: list[float | None], scores: np.ndarray, ks=(1, 3, 5)) -> dict[str, float]:
+    best = min((x for x in lat if x), default=None)
+    order = np.argsort(-np.asarray(scores), kind="stable")
+    out = {}
+    for k in ks:
+        top = [lat[i] for i in order[:k] if lat[i]]
+        out[f"top{k}"] = (best / min(top)) if (best and top) else 0.0
+    rel = np.array([best / x if (best and x) else 0.0 for x in lat])
+    gains = rel[order[:5]]
+    dcg = sum(g / math.log2(i + 2) for i, g in enumerate(gains))
+    ideal = sorted(rel, reverse=True)[:5]
+    idcg = sum(g / math.log2(i + 2) for i, g in enumerate(ideal))
+    out["ndcg5"] = dcg / idcg if idcg > 0 else 0.0
+    out["within5"] = float(bool(best) and bool(lat[order[0]]) and lat[order[0]] <= 1.05 * best)
+    return out
+
+
+def evaluate(ds: Dataset, scores: np.ndarray, rows: list[int] | None = None) -> dict[str, float]:
+    """Weighted metrics over the groups (optionally only groups whose rows are in ``rows``)."""
+    keep = set(rows) if rows is not None else None
+    acc: dict[str, float] = defaultdict(float)
+    total_w = 0.0
+    for a, b in _groups(ds):
+        if keep is not None and a not in keep:
+            continue
+        lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]
+        best = min((x for x in lat if x), default=None)
+        if best is None:
+            continue
+        w = ds.meta[a]["weight"] * best
+        for key, v in group_metrics(lat, scores[a:b]).items():
+            acc[key] += w * v
+        total_w += w
+    return {k: v / total_w for k, v in acc.items()} if total_w else {}
+
+
+def baseline_scores(ds: Dataset, kind: str, seed: int = 0) -> np.ndarray:
+    """Scores of the non-learned baselines on the same candidates."""
+    from .features import FEATURE_NAMES
+
+    idx = {n: i for i, n in enumerate(FEATURE_NAMES)}
+    X = ds.X
+    if kind == "random":
+        return np.random.default_rng(seed).random(len(X))
+    if kind == "nearest_shape":
+        # the donor whose extents are closest (log-ratio L1), the donor's best record first
+        return -(X[:, idx["r_ratio_l1"]] + 0.01 * X[:, idx["r_donor_rank"]])
+    if kind == "donor_gflops":
+        return X[:, idx["r_donor_gflops"]]
+    raise ValueError(kind)
+
+
+PAPER_PAIRING = {"resnet18": "resnet50", "resnet50": "googlenet", "alexnet": "vgg16",
+                 "vgg16": "googlenet", "mobilenetv2": "efficientnetb4", "googlenet": "resnet50",
+                 "mnasnet1_0": "googlenet", "efficientnetb0": "efficientnetb4",
+                 "efficientnetb4": "efficientnetb0", "bert": "mobilebert", "mobilebert": "bert"}
+
+
+def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
+    """Train on all networks but T, score T's candidates; T's own schedules are never candidates
+    (the collector excludes them) nor training rows (T's groups are held out)."""
+    nets = ds.networks
+    scores = np.zeros(len(ds.y), dtype=np.float32)
+    spans = _groups(ds)
+    per_net = {}
+    for net in nets:
+        train_rows, train_groups, test = [], [], []
+        for a, b in spans:
+            if ds.meta[a]["network"] == net:
+                test.append((a, b))
+            else:
+                train_rows.extend(range(a, b))
+                train_groups.append(b - a)
+        if not train_groups or not test:
+            continue
+        # donors from T itself must not teach the model either
+        mask = [i for i in train_rows if ds.meta[i].get("donor_network") != net]
+        groups = _regroup(ds, mask)
+        model = make_model().fit(ds.X[mask], ds.y[mask], groups)
+        for a, b in test:
+            scores[a:b] = model.predict(ds.X[a:b])
+        per_net[net] = [a for a, _ in test]
+    result = {"networks": {}, "average": {}}
+    for net, starts in per_net.items():
+        result["networks"][net] = evaluate(ds, scores, starts)
+    keys = ("top1", "top3", "top5", "ndcg5", "within5")
+    vals = [m for m in result["networks"].values() if m]
+    result["average"] = {k: float(np.mean([m[k] for m in vals])) for k in keys} if vals else {}
+    result["scores"] = scores
+    return result
+
+
+def _regroup(ds: Dataset, rows: list[int]) -> list[int]:
+    groups, last, n = [], None, 0
+    spans = {a: b for a, b in _groups(ds)}
+    starts = sorted(spans)
+    import bisect
+
+    for i in rows:
+        g = starts[bisect.bisect_right(starts, i) - 1]
+        if g != last:
+            if n:
+                groups.append(n)
+            last, n = g, 0
+        n += 1
+    if n:
+        groups.append(n)
+    return groups

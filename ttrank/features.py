@@ -1,0 +1,239 @@
+"""Features of a (target kernel, donor schedule) pair: pure functions, no TVM needed.
+
+Groups (all numeric, in the fixed order of :data:`FEATURE_NAMES`):
+- ``t_*``  the target workload: extents, FLOPs, conv/matmul attributes;
+- ``d_*``  the donor workload, the same way;
+- ``s_*``  the donor schedule's primitives, read from its trace JSON: tile factors per loop and
+  level, vectorize/parallel/unroll, cache-write and compute-at placement, trace size;
+- ``r_*``  relations: extent ratios, divisibility, how much tile adaptation must change, the
+  padding waste of keeping the inner tiles, epilogue match, the donor's own GFLOPS and rank.
+
+Bump :data:`FEATURE_VERSION` whenever a name, order or meaning changes: rankers refuse files
+written for another version.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .kernels import Kernel
+
+FEATURE_VERSION = 1
+MAX_LOOPS = 7
+MAX_LEVELS = 4  # spatial tiles have 4 levels on CPU (SSRSRS), reductions 2
+
+
+def _l2(x: float) -> float:
+    return math.log2(x) if x and x > 0 else 0.0
+
+
+def _names() -> list[str]:
+    names = []
+    for side in ("t", "d"):
+        names += [f"{side}_ext{j}" for j in range(MAX_LOOPS)]
+        names += [f"{side}_nloops", f"{side}_nreduce", f"{side}_flops", f"{side}_kernel_h",
+                  f"{side}_stride", f"{side}_groups", f"{side}_depthwise", f"{side}_cin",
+                  f"{side}_cout", f"{side}_m", f"{side}_n", f"{side}_k", f"{side}_batch",
+                  f"{side}_epilogue_len", f"{side}_out_elems"]
+    names += [f"s_tile{j}_{lv}" for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)]
+    names += ["s_inner_spatial", "s_inner_reduce", "s_outer_spatial", "s_parallel", "s_vectorize",
+              "s_unroll", "s_cache_write", "s_cache_read", "s_compute_at", "s_compute_loc",
+              "s_ninsts", "s_nsplits", "s_rfactor"]
+    names += [f"r_ratio{j}" for j in range(MAX_LOOPS)]
+    names += ["r_ratio_l1", "r_same_shape", "r_divisible_loops", "r_tiles_changed",
+              "r_inner_change", "r_pad_waste", "r_parallel_fit", "r_inner_fit",
+              "r_same_class", "r_epilogue_jaccard", "r_epilogue_len_diff", "r_flops_ratio",
+              "r_donor_gflops", "r_donor_rank", "r_donor_rel_latency", "r_donor_pred_s"]
+    return names
+
+
+FEATURE_NAMES: list[str] = _names()
+
+
+def workload_features(k: Kernel, side: str) -> dict[str, float]:
+    ext = list(k.extents)[:MAX_LOOPS]
+    f = {f"{side}_ext{j}": _l2(ext[j]) if j < len(ext) else 0.0 for j in range(MAX_LOOPS)}
+    a = k.attrs or {}
+    out_elems = 1
+    for d in k.output_shape or []:
+        out_elems *= d
+    f.update({
+        f"{side}_nloops": len(k.extents), f"{side}_nreduce": k.iter_kinds.count("R"),
+        f"{side}_flops": _l2(k.flops), f"{side}_kernel_h": (a.get("kernel") or [0])[0],
+        f"{side}_stride": (a.get("stride") or [0])[0] or 0, f"{side}_groups": _l2(a.get("groups", 0)),
+        f"{side}_depthwise": float(bool(a.get("depthwise"))), f"{side}_cin": _l2(a.get("in_channels", 0)),
+        f"{side}_cout": _l2(a.get("out_channels", 0)), f"{side}_m": _l2(a.get("m", 0)),
+        f"{side}_n": _l2(a.get("n", 0)), f"{side}_k": _l2(a.get("k", 0)),
+        f"{side}_batch": _l2(a.get("batch", 0)), f"{side}_epilogue_len": len(k.epilogue),
+        f"{side}_out_elems": _l2(out_elems),
+    })
+    return f
+
+
+def parse_trace(trace_json: Any) -> dict[str, Any]:
+    """The schedule primitives of a MetaSchedule trace JSON ([insts, decisions])."""
+    insts, decisions = trace_json[0], dict((int(i), d) for i, d in trace_json[1])
+    blocks: dict[str, str] = {}  # block RV -> name
+    loops: dict[str, tuple[str, int]] = {}  # loop RV -> (block name, index)
+    tiles: dict[int, list[int]] = {}  # anchor loop index -> factors
+    anchor = None
+    info = {"parallel": 0, "vectorize": 0, "unroll": 0, "cache_write": 0, "cache_read": 0,
+            "compute_at": 0, "compute_loc": 0, "ninsts": 0, "nsplits": 0, "rfactor": 0}
+    for pos, inst in enumerate(insts):
+        kind, inputs, attrs, outputs = inst[0], inst[1], inst[2], inst[3]
+        if kind == "EnterPostproc":
+            break
+        info["ninsts"] += 1
+        if kind == "GetSBlock":
+            blocks[outputs[0]] = str(attrs[0]).strip('"')
+        elif kind == "GetLoops" and inputs and inputs[0] in blocks:
+            for j, rv in enumerate(outputs):
+                loops[rv] = (blocks[inputs[0]], j)
+        elif kind == "SamplePerfectTile" and inputs and inputs[0] in loops:
+            bname, j = loops[inputs[0]]
+            if anchor is None:
+                anchor = bname
+            if bname == anchor and pos in decisions:
+                tiles[j] = [int(x) for x in decisions[pos]]
+        elif kind == "Split":
+            info["nsplits"] += 1
+        elif kind == "Annotate" and len(attrs) >= 1:
+            key = str(attrs[0]).strip('"')
+            val = inputs[1] if len(inputs) > 1 else None
+            if key == "meta_schedule.parallel":
+                info["parallel"] = _num(val)
+            elif key == "meta_schedule.vectorize":
+                info["vectorize"] = _num(val)
+            elif key == "meta_schedule.unroll_explicit" or key == "meta_schedule.unroll_implicit":
+                info["unroll"] = _categorical(val, insts, decisions)
+        elif kind == "CacheWrite" or kind == "ReindexCacheWrite":
+            info["cache_write"] += 1
+        elif kind == "CacheRead" or kind == "ReindexCacheRead":
+            info["cache_read"] += 1
+        elif kind in ("ComputeAt", "ReverseComputeAt"):
+            info["compute_at"] += 1
+        elif kind == "SampleComputeLocation" and pos in decisions:
+            info["compute_loc"] = int(decisions[pos])
+        elif kind == "RFactor":
+            info["rfactor"] += 1
+    info["anchor"] = anchor
+    info["tiles"] = tiles
+    return info
+
+
+def _num(v) -> float:
+    try:
+        return float(str(v).strip('"'))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _categorical(rv, insts, decisions) -> float:
+    """The value a SampleCategorical chose (unroll depth), found by its output RV."""
+    for pos, inst in enumerate(insts):
+        if inst[0] == "SampleCategorical" and inst[3] and inst[3][0] == rv and pos in decisions:
+            cands = inst[2][0] if inst[2] else []
+            idx = int(decisions[pos])
+            try:
+                return float(cands[idx])
+            except (IndexError, TypeError, ValueError):
+                return float(idx)
+    return _num(rv)
+
+
+def schedule_features(trace: dict[str, Any], kinds: str) -> dict[str, float]:
+    f = {}
+    tiles = trace["tiles"]
+    inner_s = inner_r = outer_s = 1
+    for j in range(MAX_LOOPS):
+        fac = tiles.get(j, [])
+        for lv in range(MAX_LEVELS):
+            f[f"s_tile{j}_{lv}"] = _l2(fac[lv]) if lv < len(fac) else 0.0
+        if fac:
+            if j < len(kinds) and kinds[j] == "R":
+                inner_r *= fac[-1]
+            else:
+                inner_s *= fac[-1]
+                outer_s *= fac[0]
+    f.update({"s_inner_spatial": _l2(inner_s), "s_inner_reduce": _l2(inner_r),
+              "s_outer_spatial": _l2(outer_s), "s_parallel": _l2(trace["parallel"]),
+              "s_vectorize": _l2(trace["vectorize"]), "s_unroll": _l2(trace["unroll"] + 1),
+              "s_cache_write": trace["cache_write"], "s_cache_read": trace["cache_read"],
+              "s_compute_at": trace["compute_at"], "s_compute_loc": trace["compute_loc"],
+              "s_ninsts": trace["ninsts"], "s_nsplits": trace["nsplits"], "s_rfactor": trace["rfactor"]})
+    return f
+
+
+def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], donor_latency_s: float,
+                      donor_best_s: float, rank: int) -> dict[str, float]:
+    from .transfer import adapt_tiles
+
+    f = {}
+    ratios = []
+    for j in range(MAX_LOOPS):
+        if j < len(target.extents) and j < len(donor.extents):
+            r = _l2(target.extents[j]) - _l2(donor.extents[j])
+        else:
+            r = 0.0
+        f[f"r_ratio{j}"] = r
+        ratios.append(abs(r))
+    divisible = changed = 0
+    inner_change = 0.0
+    waste = 0.0
+    tiles = trace["tiles"]
+    for j, fac in tiles.items():
+        if j >= len(target.extents):
+            continue
+        e = target.extents[j]
+        prod = math.prod(fac)
+        inner = math.prod(fac[1:]) if len(fac) > 1 else 1
+        divisible += int(e % inner == 0)
+        new = adapt_tiles(fac, e)
+        if new != fac:
+            changed += 1
+            inner_change += sum(abs(_l2(a) - _l2(b)) for a, b in zip(new[1:], fac[1:]))
+        # keeping the donor's inner tiles and padding the extent up to a multiple of them
+        waste += _l2(math.ceil(e / inner) * inner / e) if e else 0.0
+        del prod
+    par_fit = 0.0
+    if trace["parallel"] and target.extents:
+        spatial = math.prod(e for e, k in zip(target.extents, target.iter_kinds) if k == "S")
+        par_fit = _l2(spatial) - _l2(trace["parallel"])
+    inner_fit = 0.0
+    if tiles and target.extents:
+        last = max(j for j in range(len(target.iter_kinds)) if target.iter_kinds[j] == "S")
+        if last in tiles:
+            inner_fit = float(target.extents[last] % tiles[last][-1] == 0)
+    te, de = set(target.epilogue), set(donor.epilogue)
+    jac = len(te & de) / len(te | de) if te | de else 1.0
+    gflops = donor.flops / donor_latency_s / 1e9 if donor_latency_s > 0 else 0.0
+    f.update({
+        "r_ratio_l1": sum(ratios), "r_same_shape": float(list(target.extents) == list(donor.extents)),
+        "r_divisible_loops": divisible, "r_tiles_changed": changed, "r_inner_change": inner_change,
+        "r_pad_waste": waste, "r_parallel_fit": par_fit, "r_inner_fit": inner_fit,
+        "r_same_class": float(target.workload_class == donor.workload_class),
+        "r_epilogue_jaccard": jac, "r_epilogue_len_diff": len(target.epilogue) - len(donor.epilogue),
+        "r_flops_ratio": _l2(target.flops) - _l2(donor.flops),
+        "r_donor_gflops": gflops, "r_donor_rank": rank,
+        "r_donor_rel_latency": donor_latency_s / donor_best_s if donor_best_s > 0 else 1.0,
+        # the donor's throughput carried over to the target's work: a naive latency guess
+        "r_donor_pred_s": _l2(target.flops / (gflops * 1e9) * 1e6) if gflops > 0 else 0.0,
+    })
+    return f
+
+
+def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_s: float,
+                  donor_best_s: float, rank: int) -> dict[str, float]:
+    """All features of one candidate, keyed by :data:`FEATURE_NAMES`."""
+    trace = parse_trace(trace_json)
+    f = {}
+    f.update(workload_features(target, "t"))
+    f.update(workload_features(donor, "d"))
+    f.update(schedule_features(trace, donor.iter_kinds))
+    f.update(relation_features(target, donor, trace, donor_latency_s, donor_best_s, rank))
+    return f
+
+
+def vector(f: dict[str, float]) -> list[float]:
+    return [float(f.get(n, 0.0)) for n in FEATURE_NAMES]

@@ -1,0 +1,131 @@
+"""The XGBoost ranker: scores candidates of one target kernel against each other."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import RankerError
+from .features import FEATURE_NAMES, FEATURE_VERSION
+from .util import atomic_write_bytes, atomic_write_json
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "ranker.json"
+OBJECTIVES = ("rank:ndcg", "rank:pairwise", "reg:squarederror")
+
+
+def relevance(latencies: list[float | None]) -> np.ndarray:
+    """Per group: best latency / latency in (0, 1]; failed or wrong candidates get 0."""
+    ok = [x for x in latencies if x is not None and x > 0]
+    best = min(ok) if ok else None
+    return np.array([best / x if (best and x) else 0.0 for x in latencies], dtype=np.float32)
+
+
+class Ranker:
+    """An XGBoost learning-to-rank model over :data:`ttrank.features.FEATURE_NAMES`.
+
+    Labels are per-group relevances (:func:`relevance`); groups are target kernels.
+    """
+
+    def __init__(self, objective: str = "rank:pairwise", n_estimators: int = 300,
+                 max_depth: int = 6, learning_rate: float = 0.05, subsample: float = 0.9,
+                 colsample_bytree: float = 0.9, seed: int = 0):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}")
+        self.objective = objective
+        self.n_estimators = n_estimators
+        self.max_depth = max_depth
+        self.learning_rate = learning_rate
+        self.subsample = subsample
+        self.colsample_bytree = colsample_bytree
+        self.seed = seed
+        self.booster = None
+        self.metadata: dict[str, Any] = {}
+
+    def get_params(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("objective", "n_estimators", "max_depth",
+                                              "learning_rate", "subsample", "colsample_bytree", "seed")}
+
+    def fit(self, X: np.ndarray, y: np.ndarray, groups: list[int] | np.ndarray) -> Ranker:
+        """``groups``: sizes of consecutive groups in X (one group per target kernel)."""
+        import xgboost as xgb
+
+        X = np.asarray(X, dtype=np.float32)
+        if X.shape[1] != len(FEATURE_NAMES):
+            raise RankerError(f"X has {X.shape[1]} features, schema v{FEATURE_VERSION} has "
+                              f"{len(FEATURE_NAMES)}")
+        params = {"objective": self.objective, "max_depth": self.max_depth,
+                  "eta": self.learning_rate, "subsample": self.subsample,
+                  "colsample_bytree": self.colsample_bytree, "seed": self.seed,
+                  "nthread": 2, "verbosity": 0}
+        if self.objective.startswith("rank:"):
+            params["lambdarank_pair_method"] = "topk" if self.objective == "rank:ndcg" else "mean"
+            if self.objective == "rank:ndcg":
+                params["ndcg_exp_gain"] = False  # relevances are real numbers in [0, 1]
+        d = xgb.DMatrix(X, label=np.asarray(y, dtype=np.float32), feature_names=FEATURE_NAMES)
+        if self.objective.startswith("rank:"):
+            d.set_group(np.asarray(groups, dtype=np.uint32))
+        self.booster = xgb.train(params, d, num_boost_round=self.n_estimators)
+        return self
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Scores: higher means expected faster (comparable within one target kernel)."""
+        import xgboost as xgb
+
+        if self.booster is None:
+            raise RankerError("the ranker is not fitted")
+        X = np.asarray(X, dtype=np.float32).reshape(-1, len(FEATURE_NAMES))
+        return self.booster.predict(xgb.DMatrix(X, feature_names=FEATURE_NAMES))
+
+    # --- persistence ------------------------------------------------------------------------
+    def save(self, path: str | Path, **metadata) -> Path:
+        """Write the booster (XGBoost JSON) and a sidecar ``.meta.json``, both atomically."""
+        if self.booster is None:
+            raise RankerError("cannot save an unfitted ranker")
+        path = Path(path)
+        raw = self.booster.save_raw(raw_format="json")
+        atomic_write_bytes(path, bytes(raw))
+        meta = {"feature_version": FEATURE_VERSION, "feature_names": FEATURE_NAMES,
+                "params": self.get_params(), "model_sha256": hashlib.sha256(bytes(raw)).hexdigest(),
+                **self.metadata, **metadata}
+        self.metadata = meta
+        atomic_write_json(meta_path(path), meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> Ranker:
+        """Load a ranker; refuse one written for another feature schema."""
+        import xgboost as xgb
+
+        path = Path(path) if path else DEFAULT_MODEL
+        mp = meta_path(path)
+        if not path.exists() or not mp.exists():
+            raise RankerError(f"no ranker at {path} (train one: python train.py, or ttrank train)")
+        try:
+            meta = json.loads(mp.read_text())
+        except ValueError as e:
+            raise RankerError(f"{mp}: corrupt ranker metadata ({e})") from None
+        version = meta.get("feature_version")
+        if version != FEATURE_VERSION or meta.get("feature_names") != FEATURE_NAMES:
+            raise RankerError(f"{path} was trained on feature schema v{version}; this ttrank "
+                              f"computes v{FEATURE_VERSION}: retrain it (ttrank train)")
+        raw = path.read_bytes()
+        if meta.get("model_sha256") and hashlib.sha256(raw).hexdigest() != meta["model_sha256"]:
+            raise RankerError(f"{path} does not match its metadata (modified or truncated)")
+        params = meta.get("params", {})
+        r = cls(**{k: v for k, v in params.items() if k in cls().get_params()})
+        try:
+            r.booster = xgb.Booster()
+            r.booster.load_model(bytearray(raw))
+        except Exception as e:
+            raise RankerError(f"{path}: not a readable XGBoost model ({str(e).splitlines()[0]})") from None
+        r.metadata = meta
+        return r
+
+
+def meta_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.stem + ".meta.json")
