@@ -136,3 +136,39 @@ def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_styl
 
     compiled = engine.CompiledModel.from_executable(engine.compile_model(model, make_target()), model)
     assert engine.check_against_onnxruntime(compiled, model).ok
+
+
+def test_resnet18_kernels_add_up_to_the_known_flops(tmp_path):
+    model = frontend.load(zoo.export("resnet18", tmp_path / "r18.onnx"))
+    ks = kernels.extract(model.mod)
+    total = sum(k.flops * k.weight for k in ks)
+    assert 3.55e9 < total < 3.7e9  # 1.8 G multiply-adds
+    convs = [k for k in ks if k.anchor_op == "conv2d_nchw"]
+    assert sum(k.weight for k in convs) == 20  # 17 3x3/7x7 convs + 3 downsampling 1x1
+    stem = next(k for k in convs if k.attrs["kernel"] == [7, 7])
+    assert stem.attrs["stride"] == [2, 2] and stem.extents == [1, 64, 112, 112, 3, 7, 7]
+
+
+@pytest.mark.slow
+def test_resnet18_compile_matches_onnxruntime(tmp_path):
+    from ttrank.target import make_target
+
+    model = frontend.load(zoo.export("resnet18", tmp_path / "r18.onnx"))
+    compiled = engine.CompiledModel.from_executable(engine.compile_model(model, make_target()), model)
+    res = engine.check_against_onnxruntime(compiled, model)
+    assert res.ok and res.max_rel_error < 1e-4
+
+
+@pytest.mark.slow
+def test_bert_base_kernels(tmp_path):
+    model = frontend.load(zoo.export("bert", tmp_path / "bert.onnx"))
+    ks = kernels.extract(model.mod)
+    total = sum(k.flops * k.weight for k in ks)
+    # 12 layers x 256 tokens x (4*768*768 + 2*768*3072) MACs + attention + pooler
+    assert 45e9 < total < 47.5e9
+    classes = {k.workload_class for k in ks}
+    assert "matmul+add+multiply+erf+multiply+add+multiply" in classes  # erf-GELU epilogue
+    assert any(k.anchor_op == "softmax_maxelem" for k in ks)
+    qkv = next(k for k in ks if k.workload_class == "matmul+add" and k.attrs.get("k") == 768
+               and k.attrs.get("n") == 768)
+    assert qkv.weight >= 36  # Q, K, V of 12 layers share one kernel

@@ -156,3 +156,25 @@ def test_leave_one_network_out_holds_out_the_target(measurements, donor_dir):
     scores = Ranker(n_estimators=20).fit(ds.X, ds.y, ds.groups).predict(ds.X)
     m = evaluate(ds, scores)
     assert 0 < m["top1"] <= 1 and 0 < m["ndcg5"] <= 1
+
+
+def test_train_on_new_logs(donor_dir, tmp_path, monkeypatch, capsys):
+    """`ttrank train --logs` ingests a fresh MetaSchedule log, measures what it needs, retrains."""
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    import ttrank.donors as d
+    import ttrank.training as t
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(d, "DATASET_DONORS", empty)
+    monkeypatch.setattr(t, "DATASET_MEASUREMENTS", empty)
+    out = tmp_path / "ranker.json"
+    rc = main(["train", "--logs", str(donor_dir), "--networks", "tiny_cnn", "--budget-minutes", "5",
+               "--max-per-kernel", "6", "--trees", "30", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "ingested" in text and "trained on" in text
+    r = Ranker.load(out)
+    assert r.metadata["training_rows"] > 0 and r.metadata["cpu"] and r.metadata["tvm"]
+    table = tmp_path / "cache" / "data" / "measurements" / "tiny_cnn.jsonl"
+    assert table.exists()

@@ -418,7 +418,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     t0 = time.time()
     db_dir = Path(database_dir) if database_dir else (
         Path(output).with_suffix("") if output else data_dir / "databases" / model.name)
-    database = write_database(db_dir, kernels, chosen, target, reports, extra_db)
+    # written beside the final place, and moved there only once the outputs check out
+    staged = db_dir.with_name(f".{db_dir.name}.staged")
+    database = write_database(staged, kernels, chosen, target, reports, extra_db)
 
     # 7-8: compile, export, check
     ex = compile_model(model, target, database)
@@ -430,9 +432,13 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         if not res.ok:
             culprits = _find_culprits(model, target, db_dir, [k for k in kernels if k.name in chosen],
                                       chosen, reports, extra_db)
+            import shutil
+
+            shutil.rmtree(staged, ignore_errors=True)
             raise CheckError(f"compiled outputs differ from onnxruntime (max abs error "
                              f"{res.max_abs_error:.3g}); kernels at fault: {', '.join(culprits)}; "
-                             f"no library was written")
+                             f"no database or library was written")
+    _swap_dir(staged, db_dir)
     library = str(export(ex, output)) if output else None
     t_compile = time.time() - t0
 
@@ -475,13 +481,20 @@ def write_database(db_dir: Path, kernels, chosen: dict, target, reports=None, ex
                 wl = db.commit_workload(k.mod)
                 db.commit_tuning_record(ms.database.TuningRecord(
                     rec.trace, wl, rec.run_secs, target, ArgInfo.from_prim_func(func)))
-    old = db_dir.with_name(f".{db_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if db_dir.exists():
-        db_dir.rename(old)
-    tmp.rename(db_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _swap_dir(tmp, db_dir)
     return ms.database.JSONDatabase(work_dir=str(db_dir))
+
+
+def _swap_dir(src: Path, dst: Path) -> None:
+    """Replace folder ``dst`` by ``src`` with renames (the old one is removed afterwards)."""
+    import shutil
+
+    old = dst.with_name(f".{dst.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        dst.rename(old)
+    src.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _find_culprits(model, target, db_dir: Path, tuned_kernels, chosen, reports, extra_db) -> list[str]:
