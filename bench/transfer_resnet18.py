@@ -38,8 +38,7 @@ def main() -> None:
     model = frontend.load(path)
     ks = [k for k in kernels.extract(model.mod, target) if k.anchor_op.endswith("conv2d_nchw")]
     m = measure.Measurer(target)
-    base_m = measure.Measurer(target, measure.RunnerSpec(number=1, repeat=1, min_repeat_ms=0),
-                              builder=m.builder)
+    base_m = m.baseline()
     rows, t0 = [], time.time()
     reasons: Counter = Counter()
     try:

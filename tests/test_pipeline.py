@@ -18,17 +18,21 @@ from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
 from ttrank.ranker import Ranker, meta_path
 
 
+def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out) -> collect.CollectStats:
+    store = donors.DonorStore.load([donor_dir])
+    m = measure.Measurer(target)
+    try:
+        return collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
+                               max_per_kernel=12)
+    finally:
+        m.close()
+
+
 @pytest.fixture(scope="session")
 def measurements(donor_dir, tiny_cnn, target, tmp_path_factory) -> Path:
     """Real cross-measurements: tiny_resnet's schedules on tiny_cnn's kernels."""
     out = tmp_path_factory.mktemp("measurements")
-    store = donors.DonorStore.load([donor_dir], use_cache=False)
-    m = measure.Measurer(target)
-    try:
-        stats = collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
-                                max_per_kernel=12)
-    finally:
-        m.close()
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, out)
     assert stats.measured > 0 and stats.valid > 0
     return out
 
@@ -46,13 +50,7 @@ def trained(measurements, donor_dir, tmp_path_factory) -> Path:
 def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):
     table = measurements / "tiny_cnn.jsonl"
     before = table.read_text()
-    store = donors.DonorStore.load([donor_dir])
-    m = measure.Measurer(target)
-    try:
-        stats = collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, measurements, target, m,
-                                max_per_kernel=12)
-    finally:
-        m.close()
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, measurements)
     assert stats.measured == 0 and stats.skipped_existing > 0
     assert table.read_text() == before
     rows = [json.loads(l) for l in before.splitlines()]

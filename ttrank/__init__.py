@@ -35,7 +35,7 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
     from .target import make_target
 
     target = target if target is not None else make_target()
-    store = store if store is not None else DonorStore.load(target=target)
+    store = store if store is not None else DonorStore.load()
     ranker = ranker if ranker is not None else Ranker.load()
     if isinstance(model_or_kernel, Kernel):
         return rank_kernel(model_or_kernel, store, ranker, set(exclude_networks))[:k]

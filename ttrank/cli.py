@@ -296,7 +296,8 @@ def cmd_recommend(args) -> int:
     model = load_model_arg(args.model, args.input_shape)
     target = make_target(args.target)
     ranker = Ranker.load(args.ranker)
-    store = DonorStore.load(args.donors or None, target=target if not args.any_target else None)
+    # schedules tuned on another CPU still transfer (every candidate is re-measured here)
+    store = DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
     exclude = set(args.exclude_network or [])
     if args.leave_one_out:
         exclude.add(args.model[4:] if args.model.startswith("zoo:") else model.name)
@@ -528,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
     r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")
     r.add_argument("--donors", nargs="+", help="donor work_dirs (default: datasets/donors/* and added)")
-    r.add_argument("--any-target", action="store_true", help="also use donor records of other targets")
+    r.add_argument("--same-target-only", action="store_true",
+                   help="use only donor records tuned for this exact target (default: any CPU)")
     r.add_argument("--exclude-network", action="append", help="ignore this donor network")
     r.add_argument("--leave-one-out", action="store_true",
                    help="ignore donors tuned on this same network (for evaluation)")

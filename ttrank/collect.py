@@ -114,12 +114,13 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     stats = CollectStats(network, len(kernels))
     t0 = time.time()
     exclude = {network} if exclude_self else set()
+    baseline = measurer.baseline()
     for i, k in enumerate(kernels):
         if budget_s is not None and time.time() - t0 > budget_s:
             stats.stopped_by_budget = True
             break
         if k.workload_hash not in untuned:
-            m = measurer.measure([k.mod])[0]
+            m = baseline.measure([k.mod])[0]
             untuned[k.workload_hash] = m.latency_s
             append_jsonl(table, {"network": network, "kernel": k.name, "workload": k.workload_hash,
                                  "class": k.workload_class, "record": UNTUNED, "status": m.status,

@@ -277,7 +277,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
 
     t_start = time.time()
     target = target if target is not None else make_target()
-    store = store if store is not None else DonorStore.load(target=target)
+    store = store if store is not None else DonorStore.load()
     if not store.workloads:
         raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
                           "or added with `ttrank donors add DIR`")
@@ -308,9 +308,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one
     t0 = time.time()
     measurer = Measurer(target, runner or RunnerSpec())
-    baseline = Measurer(target, RunnerSpec(**{**(runner or RunnerSpec()).__dict__,
-                                              "number": 1, "repeat": 1, "min_repeat_ms": 0}),
-                        builder=measurer.builder)
+    baseline = measurer.baseline()
     chosen: dict[str, object] = {}
     try:
         for i, k in enumerate(kernels):

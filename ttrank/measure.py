@@ -318,6 +318,12 @@ class Measurer:
             _rm(p)
         return out  # type: ignore[return-value]
 
+    def baseline(self) -> Measurer:
+        """A measurer sharing this builder that runs once: for slow untuned kernels, where
+        one run is long enough to time and repeats would cost seconds each."""
+        spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0})
+        return Measurer(self.target, spec, builder=self.builder)
+
     def close(self) -> None:
         self.builder.close()
 

@@ -1,0 +1,132 @@
+"""Leave-one-network-out evaluation of the ranker against baselines, on the committed data.
+
+    python bench/ranker_eval.py [--trees 300]
+
+Writes bench/results/ranker_eval.json (raw numbers; `average` holds top1/top3/top5/ndcg5 for
+ttrank, `baselines` the same keys per baseline), ranker_eval.md (table) and ranker_eval.png.
+When network T is the target, T's own schedules are never candidates (the collector excludes
+them) and none of T's rows, nor rows whose donor is T, train the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = ("top1", "top3", "top5", "ndcg5", "within5")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trees", type=int, default=300)
+    ap.add_argument("--objective", default=None, help="default: the best by leave-one-out top-1")
+    args = ap.parse_args()
+
+    from ttrank.collect import build_dataset
+    from ttrank.donors import DATASET_DONORS, DonorStore
+    from ttrank.evaluate import PAPER_PAIRING, _groups, baseline_scores, evaluate, leave_one_network_out
+    from ttrank.ranker import OBJECTIVES, Ranker
+    from ttrank.target import provenance
+    from ttrank.training import DATASET_MEASUREMENTS
+    from ttrank.util import atomic_write_json, atomic_write_text
+
+    store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
+    ds = build_dataset([DATASET_MEASUREMENTS], store)
+    objectives = [args.objective] if args.objective else list(OBJECTIVES)
+    runs = {obj: leave_one_network_out(ds, lambda o=obj: Ranker(objective=o, n_estimators=args.trees))
+            for obj in objectives}
+    best = max(runs, key=lambda o: runs[o]["average"].get("top1", 0.0))
+    res = runs[best]
+    nets = sorted(res["networks"])
+    spans = {net: [a for a, _ in _groups(ds) if ds.meta[a]["network"] == net] for net in nets}
+
+    def per_net(scores):
+        out = {net: evaluate(ds, scores, spans[net]) for net in nets}
+        return out, {k: float(np.mean([out[n][k] for n in nets if out[n]])) for k in KEYS} if nets else {}
+
+    baselines, baseline_nets = {}, {}
+    rnd = [per_net(baseline_scores(ds, "random", seed=s))[1] for s in range(5)]
+    baselines["random"] = {k: float(np.mean([r[k] for r in rnd])) for k in KEYS}
+    baseline_nets["nearest_shape"], baselines["nearest_shape"] = per_net(baseline_scores(ds, "nearest_shape"))
+    # the paper: one hand-picked donor network, all of its candidates measured
+    paper = np.array([1.0 if m.get("donor_network") == PAPER_PAIRING.get(m["network"]) else 0.0
+                      for m in ds.meta], dtype=np.float32)
+    pn, _ = per_net(paper + 1e-3 * baseline_scores(ds, "random"))
+    for net in nets:
+        a_rows = spans[net]
+        ok = []
+        for a, b in _groups(ds):
+            if a not in a_rows:
+                continue
+            lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]
+            best_all = min((x for x in lat if x), default=None)
+            sub = [x for i, x in zip(range(a, b), lat) if x and paper[i] > 0]
+            if best_all:
+                ok.append((ds.meta[a]["weight"] * best_all, best_all / min(sub) if sub else 0.0))
+        w = sum(x for x, _ in ok)
+        allm = sum(x * v for x, v in ok) / w if w else 0.0
+        pn[net] = {**pn[net], "top1": allm, "top3": allm, "top5": allm}
+    baseline_nets["paper"] = pn
+    baselines["paper"] = {k: float(np.mean([pn[n][k] for n in nets])) for k in KEYS} if nets else {}
+    baselines["exhaustive"] = {k: 1.0 for k in KEYS}
+
+    out = {"objective": best, "objectives": {o: r["average"] for o, r in runs.items()},
+           "rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "networks": res["networks"],
+           "average": res["average"], "baselines": baselines, "baseline_networks": baseline_nets,
+           "note": "top-k score (TenSet): best latency among all measured candidates / best among "
+                   "the top-k, weighted by kernel weight x best latency; paper = one hand-picked "
+                   "donor network, all its candidates measured",
+           "provenance": provenance()}
+    res_dir = ROOT / "bench" / "results"
+    atomic_write_json(res_dir / "ranker_eval.json", out)
+    lines = [f"# Ranker evaluation (leave-one-network-out, objective {best})", "",
+             f"{out['rows']} measured candidates in {out['kernel_groups']} kernel groups, "
+             f"{len(nets)} target networks.", "",
+             "| network | top-1 | top-3 | top-5 | NDCG@5 | top-1 within 5% | paper | nearest-shape top-3 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for net in nets:
+        m = res["networks"][net]
+        lines.append(f"| {net} | {m['top1']:.3f} | {m['top3']:.3f} | {m['top5']:.3f} | "
+                     f"{m['ndcg5']:.3f} | {m['within5']:.2f} | {pn[net]['top1']:.3f} | "
+                     f"{baseline_nets['nearest_shape'][net]['top3']:.3f} |")
+    a = res["average"]
+    if a:
+        lines.append(f"| **average** | {a['top1']:.3f} | {a['top3']:.3f} | {a['top5']:.3f} | "
+                     f"{a['ndcg5']:.3f} | {a['within5']:.2f} | {baselines['paper']['top1']:.3f} | "
+                     f"{baselines['nearest_shape']['top3']:.3f} |")
+    lines += ["", "| method | top-1 | top-3 | top-5 | NDCG@5 |", "|---|---|---|---|---|"]
+    for name, m in [("ttrank", a)] + list(baselines.items()):
+        if m:
+            lines.append(f"| {name} | {m['top1']:.3f} | {m['top3']:.3f} | {m['top5']:.3f} | {m['ndcg5']:.3f} |")
+    atomic_write_text(res_dir / "ranker_eval.md", "\n".join(lines) + "\n")
+    _plot(res_dir / "ranker_eval.png", a, baselines)
+    print("\n".join(lines))
+
+
+def _plot(path: Path, ours: dict, baselines: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [("ttrank", ours)] + [(k, v) for k, v in baselines.items() if v]
+    keys = ["top1", "top3", "top5", "ndcg5"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(methods)
+    for i, (name, m) in enumerate(methods):
+        ax.bar([j + i * width for j in range(len(keys))], [m.get(k, 0) for k in keys], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("score (1 = the best measured candidate)")
+    ax.set_title("Donor-schedule ranking, leave-one-network-out")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
