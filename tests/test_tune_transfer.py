@@ -167,3 +167,12 @@ def test_hanging_build_times_out_without_stopping_the_batch(tiny_cnn, target):
         assert time.time() - t0 < 100
     finally:
         m.close()
+
+
+def test_reduction_blocks_named_after_other_variables_are_matched():
+    assert transfer.block_renames(["lv375_red", "T_divide"], ["lv85_red", "T_divide"]) == \
+        {"lv375_red": "lv85_red"}
+    assert transfer.block_renames(["lv8_sum", "lv8_mean", "T_layer_norm"],
+                                  ["lv3_sum", "lv3_mean", "T_layer_norm"]) == \
+        {"lv8_sum": "lv3_sum", "lv8_mean": "lv3_mean"}
+    assert transfer.block_renames(["pad_temp", "conv2d_nchw"], ["pad_temp", "conv2d_nchw"]) == {}

@@ -178,11 +178,54 @@ def _tile_plan(trace, target_mod) -> list[tuple[Any, TileChange]]:
 # apply
 
 
-def _block_names(mod) -> set[str]:
+def _block_list(mod) -> list[str]:
     from tvm import s_tir
 
     sch = s_tir.Schedule(mod)
-    return {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    return [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+
+
+def _block_names(mod) -> set[str]:
+    return set(_block_list(mod))
+
+
+def block_renames(donor_blocks: list[str], target_blocks: list[str]) -> dict[str, str]:
+    """Donor block names the target spells differently (TE names reduction stages after their
+    input variable: ``lv26_red`` in one model is ``lv375_red`` in another), matched in order
+    by their normalised names."""
+    from .kernels import _norm_block_name
+
+    free = [t for t in target_blocks if t not in donor_blocks]
+    out = {}
+    for d in donor_blocks:
+        if d in target_blocks:
+            continue
+        nd = _norm_block_name(d)
+        hit = next((t for t in free if _norm_block_name(t) == nd), None)
+        if hit is not None:
+            out[d] = hit
+            free.remove(hit)
+    return out
+
+
+def _rename_blocks(trace, renames: dict[str, str]):
+    """The same trace with GetSBlock instructions looking up the target's block names."""
+    from tvm import s_tir
+    from tvm.s_tir.schedule import Instruction
+
+    if not renames:
+        return trace
+    insts, decisions = [], {}
+    for inst in trace.insts:
+        new = inst
+        if inst.kind.name == "GetSBlock" and str(inst.attrs[0]) in renames:
+            new = Instruction(inst.kind, list(inst.inputs),
+                                    [renames[str(inst.attrs[0])], *list(inst.attrs)[1:]],
+                                    list(inst.outputs))
+        insts.append(new)
+        if inst in trace.decisions:
+            decisions[new] = trace.decisions[inst]
+    return s_tir.Trace(insts, decisions)
 
 
 def _postprocess(sch, target) -> bool:
@@ -231,7 +274,15 @@ def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
         for inst, change in plan:
             trace = trace.with_decision(inst, [int(x) for x in change.new], remove_postproc=True)
             cand.tile_changes.append(change)
-    same_blocks = _block_names(kernel.mod) == _block_names(donor.module())
+    target_blocks, donor_blocks = _block_list(kernel.mod), _block_list(donor.module())
+    renames = block_renames(donor_blocks, target_blocks)
+    if renames:
+        try:
+            trace = _rename_blocks(trace, renames)
+            donor_blocks = [renames.get(b, b) for b in donor_blocks]
+        except Exception as e:
+            log.debug("block renaming failed for %s: %s", cand.id, e)
+    same_blocks = set(target_blocks) == set(donor_blocks)
     methods = ["replay", "anchor"] if same_blocks else ["anchor", "replay"]
     errors = []
     for method in methods:
