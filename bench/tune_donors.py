@@ -46,7 +46,31 @@ def main() -> int:
         print(" ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
         print(f"{name}: exit {rc}", flush=True)
+        write_summary(Path(args.out))
+    write_summary(Path(args.out))
     return 0
+
+
+def write_summary(root: Path) -> None:
+    """datasets/donors/manifest.json: per network, budget, trials, search time, CPU."""
+    from ttrank.util import atomic_write_json
+
+    nets = {}
+    for man in sorted(root.glob("*/tune_manifest.json")):
+        m = json.loads(man.read_text())
+        prov = m.get("provenance", {})
+        nets[man.parent.name] = {
+            "trials_per_task": m.get("trials_per_task"), "trials": m.get("trials_done"),
+            "trials_target": m.get("trials_target"), "complete": m.get("complete"),
+            "search_seconds": m.get("search_seconds"), "kernels": m.get("kernels"),
+            "model_latency_ms": {k: v for k, v in (m.get("model_latency_ms") or {}).items()
+                                 if k != "provenance"} or None,
+            "cpu": prov.get("cpu"), "mcpu": prov.get("mcpu"), "cores": prov.get("cores"),
+            "tvm": prov.get("tvm"), "started": prov.get("date")}
+    atomic_write_json(root / "manifest.json", {
+        "how": "python bench/tune_donors.py --budget-minutes M (ttrank tune per network, resumable)",
+        "search_seconds_total": round(sum(n["search_seconds"] or 0 for n in nets.values()), 1),
+        "networks": nets})
 
 
 if __name__ == "__main__":
