@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--donors", nargs="+", default=["mobilenetv2", "vgg16"])
     ap.add_argument("--records-per-donor", type=int, default=1)
     ap.add_argument("--target-network", default="resnet18")
+    ap.add_argument("--max-pairs-per-kernel", type=int, default=None,
+                    help="sample this many pairs per kernel (seeded), half from each donor network")
     args = ap.parse_args()
 
     from ttrank import donors, frontend, kernels, measure, transfer, zoo
@@ -44,6 +46,16 @@ def main() -> None:
     try:
         for k in ks:
             pairs = [(w, r) for w, r in store.compatible(k) if r.rank < args.records_per_donor]
+            if args.max_pairs_per_kernel and len(pairs) > args.max_pairs_per_kernel:
+                import random
+
+                rng = random.Random(k.workload_hash)
+                per = max(1, args.max_pairs_per_kernel // len(args.donors))
+                picked = []
+                for d in args.donors:
+                    mine = [p for p in pairs if p[0].network == d]
+                    picked += rng.sample(mine, min(per, len(mine)))
+                pairs = picked
             untuned = base_m.measure([k.mod])[0].latency_s
             cands = {a: [transfer.transfer(r, k, w, target, adapt=a) for w, r in pairs]
                      for a in ("ttrank", "tvm")}
@@ -82,6 +94,7 @@ def main() -> None:
         m.close()
     summary = {
         "target_network": args.target_network, "donors": args.donors,
+        "max_pairs_per_kernel": args.max_pairs_per_kernel,
         "records_per_donor": args.records_per_donor, "seconds": round(time.time() - t0, 1),
         "kernels": len(rows),
         "candidates": sum(r["candidates"] for r in rows),
