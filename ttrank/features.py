@@ -186,7 +186,6 @@ def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], dono
         if j >= len(target.extents):
             continue
         e = target.extents[j]
-        prod = math.prod(fac)
         inner = math.prod(fac[1:]) if len(fac) > 1 else 1
         divisible += int(e % inner == 0)
         new = adapt_tiles(fac, e)
@@ -195,7 +194,6 @@ def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], dono
             inner_change += sum(abs(_l2(a) - _l2(b)) for a, b in zip(new[1:], fac[1:]))
         # keeping the donor's inner tiles and padding the extent up to a multiple of them
         waste += _l2(math.ceil(e / inner) * inner / e) if e else 0.0
-        del prod
     par_fit = 0.0
     if trace["parallel"] and target.extents:
         spatial = math.prod(e for e, k in zip(target.extents, target.iter_kinds) if k == "S")

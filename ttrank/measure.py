@@ -24,11 +24,6 @@ log = logging.getLogger("ttrank")
 HANG_ATTR = "ttrank.test_hang_seconds"
 
 
-def _worker_init() -> None:
-    # the pool's workers inherit nothing: keep TVM's C++ log quiet unless asked for
-    os.environ.setdefault("TVM_LOG_DEBUG", "0")
-
-
 def _build_export(mod, target, artifact_dir: str) -> str:
     """Build a scheduled PrimFunc module and export it (runs in a pool worker).
 
@@ -142,8 +137,7 @@ class WarmPoolBuilder(PyBuilder):
     @property
     def pool(self) -> PopenPoolExecutor:
         if self._pool is None:
-            self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec,
-                                           initializer=_worker_init)
+            self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec)
         return self._pool
 
     def build(self, build_inputs: list[BuilderInput]) -> list[BuilderResult]:

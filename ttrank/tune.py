@@ -36,26 +36,22 @@ FAILED_SECS = 1e9  # MetaSchedule records failed trials with 1e10 s
 
 def repair_database(work_dir: str | Path) -> list[str]:
     """Move a torn last line of each database file to ``<file>.torn`` so the database loads."""
+    from .util import atomic_write_bytes
+
     notes = []
     for name in (WORKLOAD_FILE, RECORD_FILE):
         path = Path(work_dir) / name
-        if not path.exists():
+        data = path.read_bytes() if path.exists() else b""
+        if not data:
             continue
-        data = path.read_bytes()
-        if not data or data.endswith(b"\n"):
-            last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1] if data else b""
-            if not last or _parses(last):
-                continue
         head, _, tail = data.rstrip(b"\n").rpartition(b"\n")
         if _parses(tail):
-            # complete line without a newline: only the terminator is missing
-            with open(path, "ab") as f:
-                f.write(b"\n")
+            if not data.endswith(b"\n"):  # a whole line that only lacks its terminator
+                with open(path, "ab") as f:
+                    f.write(b"\n")
             continue
         with open(str(path) + ".torn", "ab") as f:
             f.write(tail + b"\n")
-        from .util import atomic_write_bytes
-
         atomic_write_bytes(path, head + b"\n" if head else b"")
         notes.append(f"{name}: moved a torn last line ({len(tail)} bytes) to {name}.torn")
     return notes
