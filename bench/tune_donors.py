@@ -16,8 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # donors that the transfer tests need first, then the rest, smaller searches first
-ORDER = ["mobilenetv2", "vgg16", "resnet18", "bert", "alexnet", "mnasnet1_0", "resnet50",
-         "googlenet", "efficientnetb0", "mobilebert", "efficientnetb4"]
+ORDER = ["mobilenetv2", "vgg16", "resnet18", "bert", "alexnet", "resnet50", "googlenet",
+         "mnasnet1_0", "efficientnetb0", "efficientnetb4", "mobilebert"]
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ import ttrank
 from ttrank import collect, donors, frontend, measure
 from ttrank.cli import main
 from ttrank.errors import RankerError
-from ttrank.evaluate import evaluate, group_metrics, leave_one_network_out
+from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_network_out
 from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
 from ttrank.ranker import Ranker, meta_path
 
@@ -22,8 +22,9 @@ def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out) -> collect.CollectStats:
     store = donors.DonorStore.load([donor_dir])
     m = measure.Measurer(target)
     try:
+        # tiny_resnet is also the "paper's" hand-picked donor: exact-class matches, tiles as-is
         return collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
-                               max_per_kernel=12)
+                               max_per_kernel=12, paper_donor="tiny_resnet")
     finally:
         m.close()
 
@@ -57,6 +58,26 @@ def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):
     assert all(r["provenance"]["cpu"] and r["provenance"]["tvm"] for r in rows)
     assert {r["status"] for r in rows} <= {"ok", "rejected", "wrong_result", "build_error",
                                            "run_error", "timeout"}
+
+
+def test_paper_baseline_rows_are_kept_apart(measurements, donor_dir):
+    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
+    paper = [r for r in rows if r.get("pool") == "paper"]
+    ranked = [r for r in rows if r.get("pool") == "ranked"]
+    assert paper and all(r["adapt"] == "tvm" and r["donor_rank"] == 0 for r in paper)
+    store = donors.DonorStore.load([donor_dir])
+    classes = {w.kernel.name: w.kernel.workload_class for w in store.workloads}
+    assert all(classes[r["donor_kernel"]] == r["class"] for r in paper)  # exact fused-op class
+    # the ranker learns only from the pool it ranks
+    ds = collect.build_dataset([measurements], store)
+    assert len(ds.y) <= len(ranked) and all(m["record"] for m in ds.meta)
+
+
+def test_top_k_default_comes_from_the_evaluation():
+    curve = {"top1": 0.80, "top2": 0.90, "top3": 0.975, "top4": 0.98}
+    assert choose_top_k(curve) == 3
+    assert choose_top_k({"top1": 0.5, "top2": 0.7, "top3": 0.702, "top4": 0.71}) == 2
+    assert choose_top_k({}) == 3
 
 
 def test_ranker_save_load_refuses_other_schema(trained, tmp_path):
@@ -124,6 +145,30 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
                            database_dir=tmp_path / "db2", time_model=False)
     assert len(table.read_text().splitlines()) == n
     assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_recommend_on_a_third_party_export_with_dynamic_dims(trained, donor_dir, tmp_path, capsys):
+    """An MLP exported by skl2onnx: a dynamic batch dim, a Cast, a Reshape; recommend needs
+    the shape, then transfers tiny_resnet's dense-layer schedule onto its MatMul kernels."""
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import FloatTensorType
+    from sklearn.neural_network import MLPRegressor
+
+    rng = np.random.default_rng(0)
+    mlp = MLPRegressor(hidden_layer_sizes=(64, 48), max_iter=5, random_state=0).fit(
+        rng.normal(size=(32, 32)), rng.normal(size=(32, 4)))
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(convert_sklearn(mlp, initial_types=[("input", FloatTensorType([None, 32]))],
+                                     target_opset=17).SerializeToString())
+    args = ["recommend", str(path), "-o", str(tmp_path / "mlp.so"), "--ranker", str(trained),
+            "--donors", str(donor_dir), "--json", str(tmp_path / "r.json"),
+            "--data-dir", str(tmp_path / "data"), "--no-progress"]
+    assert main(args) == 2
+    assert "--input-shape input:N,32" in capsys.readouterr().err
+    assert main(args + ["--input-shape", "input:16,32"]) == 0, capsys.readouterr().err
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["max_abs_error_vs_onnxruntime"] < 1e-3
+    assert any(k["status"] == "tuned" and k["workload_class"].startswith("matmul") for k in r["kernels"])
 
 
 def test_recommend_bad_inputs(trained, tiny_cnn, tmp_path, capsys, monkeypatch):

@@ -300,7 +300,13 @@ def cmd_recommend(args) -> int:
     store = DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
     exclude = set(args.exclude_network or [])
     if args.leave_one_out:
-        exclude.add(args.model[4:] if args.model.startswith("zoo:") else model.name)
+        net = args.model[4:] if args.model.startswith("zoo:") else model.name
+        exclude.add(net)
+        if net in ranker.metadata.get("training_networks", []):
+            from .training import ranker_without
+
+            con.print(f"leave-one-out: refitting the ranker without {net}'s measurements")
+            ranker = ranker_without(net, ranker, store)
     output = args.output or f"{model.name}.so"
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
@@ -352,9 +358,9 @@ def _print_report(con, res) -> None:
     tuned = sum(1 for k in res.kernels if k.status != "untuned")
     con.print(f"kernels tuned: {tuned}/{len(res.kernels)}")
     if lat:
-        con.print(f"model latency: untuned ~{lat.get('untuned_estimated_from_kernels', 0):.1f} ms "
-                  f"(sum of kernels), ttrank {lat['tuned']:.2f} ms, onnxruntime "
-                  f"{lat['onnxruntime']:.2f} ms")
+        src = "" if lat.get("untuned_source") == "measured" else " (sum of kernels)"
+        con.print(f"model latency: untuned {lat['untuned']:.1f} ms{src}, ttrank {lat['tuned']:.2f} ms "
+                  f"({lat['untuned'] / lat['tuned']:.1f}x), onnxruntime {lat['onnxruntime']:.2f} ms")
     con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
               f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
     if res.max_abs_error_vs_onnxruntime is not None:
@@ -408,16 +414,20 @@ def cmd_train(args) -> int:
     avg = report.get("objectives", {}).get(report["objective"], {}).get("average")
     con.print(f"trained on {report['rows']} candidates in {report['groups']} kernel groups from "
               f"{len(report['networks'])} networks; objective {report['objective']}; saved {out}")
+    from .evaluate import KEYS
+
     if avg:
-        con.print("leave-one-network-out: " + ", ".join(f"{k} {v:.3f}" for k, v in avg.items()))
+        con.print("leave-one-network-out: " + ", ".join(f"{k} {avg[k]:.3f}" for k in KEYS if k in avg))
     if before:
-        con.print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
+        con.print("before: " + ", ".join(f"{k} {before[k]:.3f}" for k in KEYS if k in before))
+    con.print(f"default top-k for recommend: {report['top_k']}")
     return 0
 
 
 def cmd_collect(args) -> int:
     from . import collect as coll
     from .donors import DonorStore
+    from .evaluate import PAPER_PAIRING
     from .measure import Measurer
     from .target import make_target
 
@@ -436,6 +446,7 @@ def cmd_collect(args) -> int:
             st = coll.collect(net, model, store, args.out, target, measurer, budget_s=left,
                               max_per_kernel=args.max_per_kernel,
                               records_per_donor=args.records_per_donor,
+                              paper_donor=None if args.no_paper else PAPER_PAIRING.get(net),
                               on_progress=lambda s, i: con.print(
                                   f"  {s.network}: kernel {i + 1}/{s.kernels}, {s.measured} measured, "
                                   f"{s.valid} valid, {s.wrong} wrong, {s.rejected} rejected")
@@ -524,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recommend", help="transfer-tune a model: rank, measure top-k, compile, check")
     _add_model_args(r)
     r.add_argument("-o", "--output", help="compiled library (default: MODEL.so)")
-    r.add_argument("--top-k", type=int, default=3, help="candidates measured per kernel")
+    r.add_argument("--top-k", type=int, default=None,
+                   help="candidates measured per kernel (default: chosen by the ranker's evaluation)")
     r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
     r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
     r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")
@@ -561,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--max-per-kernel", type=int, default=40)
     co.add_argument("--records-per-donor", type=int, default=2)
     co.add_argument("--target", default=None)
+    co.add_argument("--no-paper", action="store_true",
+                    help="skip the paper baseline (the paired donor network's exact-class schedules)")
     co.add_argument("--quiet", action="store_true")
     co.set_defaults(func=cmd_collect)
     return p

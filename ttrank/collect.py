@@ -42,7 +42,20 @@ class CollectStats:
 
 
 def measurement_key(row: dict) -> tuple[str, str]:
-    return row["workload"], row["record"]
+    """(workload, record); a record transferred another way than ttrank's gets its own key."""
+    adapt = row.get("adapt") or "ttrank"
+    return row["workload"], row["record"] if adapt == "ttrank" else f"{row['record']}@{adapt}"
+
+
+def paper_pairs(kernel: Kernel, store: DonorStore, donor_network: str | None
+                ) -> list[tuple[DonorWorkload, DonorRecord]]:
+    """The paper's candidates: the best record of every kernel of the one paired donor network
+    whose fused-op class is exactly the target's (any shape)."""
+    if not donor_network:
+        return []
+    return [(w, r) for w, r in store.compatible(kernel)
+            if w.network == donor_network and r.rank == 0
+            and w.kernel.workload_class == kernel.workload_class]
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -92,15 +105,21 @@ def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]
                      "donor_network": c.donor.network, "donor_kernel": c.donor.kernel.name,
                      "donor_rank": c.record.rank, "status": status, "reason": reason[:300],
                      "latency_s": lat, "untuned_s": untuned_s, "method": c.method, "adapt": adapt,
-                     "tile_changes": len(c.tile_changes), "provenance": prov})
+                     "tile_changes": len(c.tile_changes), "provenance": prov,
+                     "pool": "paper" if adapt == "tvm" else "ranked"})
     return rows
 
 
 def collect(network: str, model, store: DonorStore, out_dir: str | Path, target, measurer,
             max_per_kernel: int = 40, records_per_donor: int = 2, budget_s: float | None = None,
             seed: int = 0, batch: int = 16, exclude_self: bool = True,
+            paper_donor: str | None = None,
             on_progress: Callable[[CollectStats, int], None] | None = None) -> CollectStats:
-    """Measure sampled donor schedules of the other networks on every tunable kernel."""
+    """Measure sampled donor schedules of the other networks on every tunable kernel.
+
+    With ``paper_donor``, also the paper's baseline: that network's exact-class schedules with
+    their tile sizes left to TVM (``adapt="tvm"``), in rows of their own (``pool: "paper"``).
+    """
     from .kernels import extract
     from .target import provenance
 
@@ -127,14 +146,21 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
                                  "latency_s": m.latency_s, "reason": m.error[:300],
                                  "provenance": prov})
         pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
-        todo = [(w, r) for w, r in pairs if (k.workload_hash, r.id) not in done]
-        stats.skipped_existing += len(pairs) - len(todo)
+        todo = [(w, r, "ttrank") for w, r in pairs if (k.workload_hash, r.id) not in done]
+        paper = [] if paper_donor == network else paper_pairs(k, store, paper_donor)
+        todo += [(w, r, "tvm") for w, r in paper if (k.workload_hash, f"{r.id}@tvm") not in done]
+        stats.skipped_existing += len(pairs) + len(paper) - len(todo)
         for s in range(0, len(todo), batch):
             if budget_s is not None and time.time() - t0 > budget_s:
                 stats.stopped_by_budget = True
                 break
-            rows = measure_kernel(k, todo[s:s + batch], measurer, target, network,
-                                  untuned[k.workload_hash], prov)
+            chunk = todo[s:s + batch]
+            rows = []
+            for adapt in ("ttrank", "tvm"):
+                part = [(w, r) for w, r, a in chunk if a == adapt]
+                if part:
+                    rows += measure_kernel(k, part, measurer, target, network,
+                                           untuned[k.workload_hash], prov, adapt=adapt)
             append_jsonl(table, rows)
             for r in rows:
                 done.add(measurement_key(r))
@@ -196,7 +222,8 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
             kernels = kernels_of(kfile)
             by_kernel: dict[str, dict[str, dict]] = {}
             for row in read_jsonl(table):
-                if row.get("record") == UNTUNED or row["workload"] not in kernels:
+                if row.get("record") == UNTUNED or row["workload"] not in kernels \
+                        or (row.get("adapt") or "ttrank") != "ttrank":
                     continue
                 by_kernel.setdefault(row["workload"], {})[row["record"]] = row  # last wins
             for wh, rows in by_kernel.items():

@@ -100,7 +100,11 @@ def onnxruntime_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> li
 
 def onnxruntime_time_ms(model: LoadedModel, feed: dict[str, np.ndarray], repeat: int = 5,
                         min_repeat_ms: int = 200) -> float:
-    sess = onnxruntime_session(model)
+    return _ort_time_ms(onnxruntime_session(model), feed, repeat, min_repeat_ms)
+
+
+def _ort_time_ms(sess, feed: dict[str, np.ndarray], repeat: int, min_repeat_ms: int) -> float:
+    """Minimum over repeats of the mean latency (ms) of an onnxruntime session."""
     sess.run(None, feed)
     best = float("inf")
     for _ in range(repeat):
@@ -174,6 +178,27 @@ def model_latencies(model: LoadedModel, target, database=None, repeat: int = 3,
     out["onnxruntime"] = onnxruntime_time_ms(model, feed, repeat=repeat)
     out["provenance"] = provenance(target)
     return out
+
+
+def time_side_by_side(model: LoadedModel, target, databases: dict, rounds: int = 3,
+                      onnxruntime: bool = True, min_repeat_ms: int = 300) -> dict[str, float]:
+    """Whole-model latency (ms) of several builds, timed in alternation, min over rounds.
+
+    ``databases``: label -> a MetaSchedule database, or None for the default (untuned) pipeline.
+    """
+    feed = model.random_inputs()
+    built = {label: CompiledModel.from_executable(compile_model(model, target, db), model)
+             for label, db in databases.items()}
+    best: dict[str, float] = {}
+    sess = onnxruntime_session(model) if onnxruntime else None
+    for _ in range(rounds):
+        for label, cm in built.items():
+            t = cm.time_ms(feed, repeat=1, min_repeat_ms=min_repeat_ms)
+            best[label] = min(best.get(label, t), t)
+        if sess is not None:
+            t = _ort_time_ms(sess, feed, repeat=1, min_repeat_ms=min_repeat_ms)
+            best["onnxruntime"] = min(best.get("onnxruntime", t), t)
+    return best
 
 
 # ============================================================================================
@@ -254,13 +279,14 @@ def _cache_rows(path: Path) -> dict[tuple[str, str], dict]:
     return {measurement_key(r): r for r in read_jsonl(path)}
 
 
-def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k: int = 3,
+def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k: int | None = None,
               output: str | Path | None = None, database_dir: str | Path | None = None,
               runner=None, data_dir: str | Path | None = None, exclude_networks=frozenset(),
               tune_missing: int = 0, check: bool = True, time_model: bool = True,
-              on_progress=None) -> Result:
+              untuned_run_limit_s: float = 15.0, on_progress=None) -> Result:
     """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
 
+    ``top_k`` defaults to the k chosen when the ranker was trained (its metadata).
     Measurements are appended to ``data_dir/measurements/<model>.jsonl`` as they finish (the
     collector's format, so ``ttrank train`` learns from them), and a rerun reuses them.
     """
@@ -282,6 +308,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
                           "or added with `ttrank donors add DIR`")
     ranker = ranker if ranker is not None else Ranker.load()
+    # the ranker's own choice: the k its leave-one-network-out evaluation found worth measuring
+    top_k = top_k or int(ranker.metadata.get("top_k") or 3)
     prov = compact_provenance(provenance(target))
     tkey = target_key(target)
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
@@ -305,36 +333,37 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         progress("ranking", i + 1, len(kernels), k.name)
     t_rank = time.time() - t0
 
-    # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one
+    # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
+    # candidates of all kernels go through the builder together, in chunks, so both build
+    # workers stay busy; each chunk's rows are appended before the next starts (Ctrl-C keeps them).
     t0 = time.time()
     measurer = Measurer(target, runner or RunnerSpec())
     baseline = measurer.baseline()
     chosen: dict[str, object] = {}
+    picked_of: dict[str, list] = {}
+    fresh: dict[int, dict] = {}
+
+    def untuned_row(k, m) -> dict:
+        return {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
+                "class": k.workload_class, "record": UNTUNED, "status": m.status,
+                "latency_s": m.latency_s, "reason": m.error[:300], "provenance": prov,
+                "target_key": tkey}
+
     try:
-        for i, k in enumerate(kernels):
+        todo: list[tuple[object, object]] = []  # (kernel, transferred candidate) to measure
+        for k in kernels:
             rep = reports[k.name]
-            cands = ranked[k.name]
-            if not cands:
+            if not ranked[k.name]:
                 rep.why = "no compatible donor schedule"
-                progress("measuring", i + 1, len(kernels), k.name)
                 continue
-            row = cached.get((k.workload_hash, UNTUNED))
-            if row is None:
-                m = baseline.measure([k.mod])[0]
-                row = {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
-                       "class": k.workload_class, "record": UNTUNED, "status": m.status,
-                       "latency_s": m.latency_s, "reason": m.error[:300], "provenance": prov,
-                       "target_key": tkey}
-                append_jsonl(table, row)
-            rep.untuned_s = row["latency_s"]
-            # transfer in rank order until k candidates apply (a rejected one costs little)
-            picked = []
-            for c in cands:
+            picked = []  # transfer in rank order until k candidates apply (a rejection costs little)
+            for c in ranked[k.name]:
                 if len(picked) >= top_k:
                     break
                 cached_row = cached.get((k.workload_hash, c.record.id))
-                if cached_row is not None and cached_row["status"] != "ok":
-                    rep.rejections.append((c.record.id, cached_row.get("reason", cached_row["status"])))
+                if cached_row is not None:
+                    if cached_row["status"] != "ok":
+                        rep.rejections.append((c.record.id, cached_row.get("reason", cached_row["status"])))
                     picked.append((c, cached_row))
                     continue
                 t = transfer(c.record, k, c.donor, target)
@@ -342,23 +371,45 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                 if not t.ok:
                     rep.rejections.append((c.record.id, t.reason))
                     continue
-                picked.append((t, cached_row))
-            todo = [t for t, r in picked if r is None]
-            results = measurer.measure([t.mod for t in todo], reference=k.mod,
-                                       reference_key=k.workload_hash) if todo else []
-            fresh = {}
-            for t, m in zip(todo, results):
+                picked.append((t, None))
+                todo.append((k, t))
+            picked_of[k.name] = picked
+            progress("transferring", len(picked_of), len(kernels), k.name)
+
+        need = [k for k in kernels if k.name in picked_of and (k.workload_hash, UNTUNED) not in cached]
+        for k, m in zip(need, baseline.measure([k.mod for k in need]) if need else []):
+            row = cached[(k.workload_hash, UNTUNED)] = untuned_row(k, m)
+            append_jsonl(table, row)
+        for k in kernels:
+            if k.name in picked_of:
+                reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
+
+        chunk = 8
+        for s in range(0, len(todo), chunk):
+            part = todo[s:s + chunk]
+            results = measurer.measure([t.mod for _, t in part],
+                                       references=[(k.mod, k.workload_hash) for k, _ in part])
+            rows = []
+            for (k, t), m in zip(part, results):
                 r = {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
                      "class": k.workload_class, "record": t.record.id,
                      "donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
                      "donor_rank": t.record.rank, "status": m.status if not m.ok else "ok",
-                     "reason": m.error[:300], "latency_s": m.latency_s, "untuned_s": rep.untuned_s,
-                     "method": t.method, "adapt": t.adapt, "tile_changes": len(t.tile_changes),
-                     "score": t.score, "provenance": prov, "target_key": tkey}
-                append_jsonl(table, r)
+                     "reason": m.error[:300], "latency_s": m.latency_s,
+                     "untuned_s": reports[k.name].untuned_s, "method": t.method, "adapt": t.adapt,
+                     "tile_changes": len(t.tile_changes), "score": t.score, "provenance": prov,
+                     "target_key": tkey}
+                rows.append(r)
                 fresh[id(t)] = r
+            append_jsonl(table, rows)
+            progress("measuring", min(s + chunk, len(todo)), len(todo), part[-1][0].name)
+
+        for k in kernels:
+            rep = reports[k.name]
+            if k.name not in picked_of:
+                continue
             best = None
-            for rank_pos, (t, r) in enumerate(picked):
+            for rank_pos, (t, r) in enumerate(picked_of[k.name]):
                 r = r or fresh.get(id(t))
                 rep.measured.append({"donor": t.record.id, "rank": rank_pos, "score": t.score,
                                      "status": r["status"], "latency_s": r["latency_s"]})
@@ -375,8 +426,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             else:
                 t, r, pos = best
                 if t.trace is None:  # measured in an earlier run: re-apply (deterministic)
+                    score = t.score
                     t = transfer(t.record, k, t.donor, target)
-                    t.score = r.get("score")
+                    t.score = score
                 if t.ok:
                     chosen[k.name] = t
                     rep.status = "tuned"
@@ -384,10 +436,10 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                                   "record": t.record.id, "rank": pos, "score": t.score,
                                   "latency_s": r["latency_s"], "method": t.method,
                                   "tile_changes": [c.to_json() for c in t.tile_changes]}
-            progress("measuring", i + 1, len(kernels), k.name)
     finally:
         measurer.close()
     t_measure = time.time() - t0
+    t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
 
     # optional: MetaSchedule for the kernels no donor covers
     t0 = time.time()
@@ -443,12 +495,23 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     lat = {}
     if time_model:
         feed = model.random_inputs()
-        lat["tuned"] = compiled.time_ms(feed)
         lat["untuned_estimated_from_kernels"] = 1e3 * sum(
             r.weight * r.untuned_s for r in reports.values() if r.untuned_s)
+        # the whole untuned model is timed once when that is cheap; else the kernel sum stands in
+        if lat["untuned_estimated_from_kernels"] <= 1e3 * untuned_run_limit_s:
+            progress("timing", 0, 1, "untuned model")
+            lat["untuned"] = CompiledModel.from_executable(compile_model(model, target), model).time_ms(
+                feed, repeat=1, min_repeat_ms=0)
+            lat["untuned_source"] = "measured"
+        else:
+            lat["untuned"] = lat["untuned_estimated_from_kernels"]
+            lat["untuned_source"] = "sum of untuned kernels"
+        lat["tuned"] = compiled.time_ms(feed)
         lat["onnxruntime"] = onnxruntime_time_ms(model, feed)
+        progress("timing", 1, 1, "")
     return Result(model.name, list(reports.values()), str(db_dir), library, lat, max_err,
                   {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
+                   "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
                    "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                    "total": round(time.time() - t_start, 2)},
                   str(target), compiled, provenance(target))

@@ -24,7 +24,11 @@ def _groups(ds: Dataset) -> list[tuple[int, int]]:
     return out
 
 
-def group_metrics(lat: list[float | None], scores: np.ndarray, ks=(1, 3, 5)) -> dict[str, float]:
+KS = tuple(range(1, 11))
+KEYS = ("top1", "top3", "top5", "ndcg5", "within5")
+
+
+def group_metrics(lat: list[float | None], scores: np.ndarray, ks=KS) -> dict[str, float]:
     best = min((x for x in lat if x), default=None)
     order = np.argsort(-np.asarray(scores), kind="stable")
     out = {}
@@ -109,11 +113,27 @@ def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict
     result = {"networks": {}, "average": {}}
     for net, starts in per_net.items():
         result["networks"][net] = evaluate(ds, scores, starts)
-    keys = ("top1", "top3", "top5", "ndcg5", "within5")
+    keys = KEYS + tuple(f"top{k}" for k in KS if f"top{k}" not in KEYS)
     vals = [m for m in result["networks"].values() if m]
     result["average"] = {k: float(np.mean([m[k] for m in vals])) for k in keys} if vals else {}
     result["scores"] = scores
     return result
+
+
+def choose_top_k(average: dict[str, float], goal: float = 0.97, min_gain: float = 0.005,
+                 max_k: int = KS[-1]) -> int:
+    """The default k for measuring: the smallest k whose leave-one-out top-k score reaches
+    ``goal``; failing that, the smallest k after which one more candidate adds < ``min_gain``."""
+    curve = [average.get(f"top{k}") for k in range(1, max_k + 1)]
+    if not curve or curve[0] is None:
+        return 3
+    for k, v in enumerate(curve, 1):
+        if v is not None and v >= goal:
+            return k
+    for k in range(1, max_k):
+        if curve[k] is None or curve[k] - curve[k - 1] < min_gain:
+            return k
+    return max_k
 
 
 def _regroup(ds: Dataset, rows: list[int]) -> list[int]:

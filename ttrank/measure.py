@@ -38,7 +38,10 @@ def _build_export(mod, target, artifact_dir: str) -> str:
     if hang is not None:
         time.sleep(float(hang))
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    rt_mod = tvm.compile(mod, target=target)
+    return _export(tvm.compile(mod, target=target), artifact_dir)
+
+
+def _export(rt_mod, artifact_dir: str) -> str:
     # one folder per artifact: MetaSchedule's RemoveBuildArtifact removes the artifact's folder
     os.makedirs(artifact_dir, exist_ok=True)
     path = os.path.join(tempfile.mkdtemp(dir=artifact_dir), "kernel.so")
@@ -68,30 +71,34 @@ def _random_args(func, seed: int = 0):
 
 
 _REFERENCE_CACHE: dict[str, list] = {}
+_REFERENCE_CACHE_SIZE = 4
 
 
-def _run_host(mod, seed: int = 0):
-    """Build for the host and run on deterministic inputs; returns every argument after the call."""
+def _run_host(mod, seed: int = 0, built=None):
+    """Build for the host (or take ``built``) and run on deterministic inputs; returns every
+    argument after the call."""
     import tvm
 
     func = mod[[gv for gv in mod.functions][0]]
-    rt = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
+    rt = built if built is not None else tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for a in _random_args(func, seed)]
     rt(*args)
     return [a.numpy() for a in args]
 
 
-def _check_against(mod, ref_mod, ref_key: str, rtol: float, atol: float) -> float | None:
+def _check_against(mod, ref_mod, ref_key: str, rtol: float, atol: float,
+                   built=None) -> float | None:
     """Max abs error of ``mod`` against ``ref_mod`` on the same inputs; None if they agree."""
     import numpy as np
 
-    ref = _REFERENCE_CACHE.get(ref_key)
+    ref = _REFERENCE_CACHE.pop(ref_key, None)
     if ref is None:
         ref = _run_host(ref_mod)
-        _REFERENCE_CACHE.clear()  # one kernel at a time: keep memory flat
-        _REFERENCE_CACHE[ref_key] = ref
-    got = _run_host(mod)
+    _REFERENCE_CACHE[ref_key] = ref  # most recent last
+    while len(_REFERENCE_CACHE) > _REFERENCE_CACHE_SIZE:  # a few kernels at a time: memory stays flat
+        _REFERENCE_CACHE.pop(next(iter(_REFERENCE_CACHE)))
+    got = _run_host(mod, built=built)
     worst, bad = 0.0, False
     for g, r in zip(got, ref):
         if g.dtype.kind != "f":
@@ -106,12 +113,35 @@ def _check_against(mod, ref_mod, ref_key: str, rtol: float, atol: float) -> floa
 
 
 def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
-                        rtol: float = 1e-3, atol: float = 1e-4):
-    """Build for measurement, and check the result against the reference (pool worker)."""
-    wrong = _check_against(mod, ref_mod, ref_key, rtol, atol) if ref_mod is not None else None
+                        run_here: bool = False, rtol: float = 1e-3, atol: float = 1e-4):
+    """Build for measurement, and check the result against the reference (pool worker).
+
+    ``run_here``: the target runs on this host, so when the measured build is the checked
+    program (no weight-layout rewrite to strip) it is compiled once and run for the check.
+    """
+    import tvm
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    if ref_mod is None:
+        return _build_export(mod, target, artifact_dir), None
+    if run_here:
+        stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+        if _same_program(stripped, mod):
+            rt = tvm.compile(mod, target=target)
+            wrong = _check_against(mod, ref_mod, ref_key, rtol, atol, built=rt)
+            if wrong is not None:
+                return None, wrong
+            return _export(rt, artifact_dir), None
+    wrong = _check_against(mod, ref_mod, ref_key, rtol, atol)
     if wrong is not None:
         return None, wrong
     return _build_export(mod, target, artifact_dir), None
+
+
+def _same_program(a, b) -> bool:
+    import tvm_ffi
+
+    return bool(tvm_ffi.structural_equal(a, b))
 
 
 @derived_object
@@ -152,14 +182,18 @@ class WarmPoolBuilder(PyBuilder):
                 results.append(BuilderResult(None, f"build error: {_last_line(str(r.value))}"))
         return results
 
-    def build_checked(self, mods: list, target, ref_mod, ref_key: str) -> list[tuple[str, Any]]:
-        """Build each module, first checking its output against ``ref_mod``'s.
+    def build_checked(self, mods: list, target, ref_mod=None, ref_key: str = "",
+                      references: list[tuple[Any, str]] | None = None,
+                      run_here: bool = False) -> list[tuple[str, Any]]:
+        """Build each module, first checking its output against ``ref_mod``'s (or, per module,
+        against ``references[i] = (ref_mod, ref_key)``).
 
         Returns per module ("ok", artifact path), ("wrong_result", max abs error),
         ("timeout", message) or ("build_error", message).
         """
         out = []
-        args = [(m, target, self.artifact_dir, ref_mod, ref_key) for m in mods]
+        refs = references or [(ref_mod, ref_key)] * len(mods)
+        args = [(m, target, self.artifact_dir, r, rk, run_here) for m, (r, rk) in zip(mods, refs)]
         for r in self.pool.map_with_error_catching(lambda a: _build_check_export(*a), args):
             if r.status == StatusKind.COMPLETE:
                 path, wrong = r.value
@@ -261,6 +295,7 @@ class Measurer:
         self.spec = runner or RunnerSpec()
         self.builder = builder or WarmPoolBuilder(timeout_sec=build_timeout_sec)
         self._runner = None
+        self.seconds = {"build": 0.0, "run": 0.0}  # where measuring time goes
 
     @property
     def runner(self):
@@ -268,19 +303,24 @@ class Measurer:
             self._runner = self.spec.create()
         return self._runner
 
-    def measure(self, mods: list, reference=None, reference_key: str = "") -> list[Measurement]:
+    def measure(self, mods: list, reference=None, reference_key: str = "",
+                references: list[tuple[Any, str]] | None = None) -> list[Measurement]:
         """Build and run each module; a failure of one never stops the batch.
 
         With ``reference`` (the untuned kernel), each module's output is first compared with
         the reference's on the same random inputs, and a mismatch is a ``wrong_result``.
+        ``references`` gives each module its own (reference, key), so one batch can hold the
+        candidates of several kernels and keep every build worker busy.
         """
         from tvm.s_tir.meta_schedule.arg_info import ArgInfo
         from tvm.s_tir.meta_schedule.runner import RunnerInput
 
         if not mods:
             return []
-        if reference is not None:
-            built = self.builder.build_checked(mods, self.target, reference, reference_key)
+        t0 = time.time()
+        if references is not None or reference is not None:
+            built = self.builder.build_checked(mods, self.target, reference, reference_key, references,
+                                               run_here=self.spec.kind == "local")
         else:
             built = [("ok", b.artifact_path) if not b.error_msg else
                      ("timeout" if "timeout" in b.error_msg else "build_error", b.error_msg)
@@ -299,6 +339,8 @@ class Measurer:
             inputs.append(RunnerInput(value, "cpu", ArgInfo.from_prim_func(func)))
             idx.append(i)
             paths.append(value)
+        t1 = time.time()
+        self.seconds["build"] += t1 - t0
         futures = self.runner.run(inputs) if inputs else []
         for i, fut in zip(idx, futures):
             r = fut.result()
@@ -310,13 +352,16 @@ class Measurer:
                 out[i] = Measurement(min(secs), "ok", "", secs)
         for p in paths:
             _rm(p)
+        self.seconds["run"] += time.time() - t1
         return out  # type: ignore[return-value]
 
     def baseline(self) -> Measurer:
         """A measurer sharing this builder that runs once: for slow untuned kernels, where
         one run is long enough to time and repeats would cost seconds each."""
         spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0})
-        return Measurer(self.target, spec, builder=self.builder)
+        m = Measurer(self.target, spec, builder=self.builder)
+        m.seconds = self.seconds  # one account for both
+        return m
 
     def close(self) -> None:
         self.builder.close()

@@ -11,7 +11,7 @@ import numpy as np
 
 from .collect import Dataset, build_dataset
 from .donors import DonorStore
-from .evaluate import baseline_scores, evaluate, leave_one_network_out
+from .evaluate import baseline_scores, choose_top_k, evaluate, leave_one_network_out
 from .ranker import DEFAULT_MODEL, OBJECTIVES, Ranker
 from .util import cache_dir
 
@@ -59,12 +59,40 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
             sc = baseline_scores(ds, kind)
             report.setdefault("baselines", {})[kind] = evaluate(ds, sc)
     report["objective"] = best_obj
+    loo = report["objectives"].get(best_obj, {}).get("average") or {}
+    report["top_k"] = choose_top_k(loo)
     ranker = Ranker(objective=best_obj, n_estimators=n_estimators).fit(ds.X, ds.y, ds.groups)
     prov = provenance()
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
+                top_k=report["top_k"],
                 cpu=prov["cpu"], mcpu=prov["mcpu"], tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "objectives"} |
                 {"leave_one_network_out": report["objectives"].get(best_obj, {}).get("average")})
     report["model"] = str(out)
     return report
+
+
+def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
+                   measurement_dirs: list[Path] | None = None) -> Ranker:
+    """``base`` refitted without ``network``: none of its kernels, nor rows whose donor is it.
+
+    For honest leave-one-out runs; ``base`` itself is returned if it never saw ``network``.
+    """
+    if network not in base.metadata.get("training_networks", []):
+        return base
+    store = store or DonorStore.load()
+    dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
+    ds = build_dataset(dirs, store)
+    keep, groups, start = [], [], 0
+    for g in ds.groups:
+        rows = [i for i in range(start, start + g) if ds.meta[i]["network"] != network
+                and ds.meta[i].get("donor_network") != network]
+        if rows:
+            keep += rows
+            groups.append(len(rows))
+        start += g
+    r = Ranker(**base.get_params()).fit(ds.X[keep], ds.y[keep], groups)
+    r.metadata = {**base.metadata, "training_networks": [n for n in ds.networks if n != network],
+                  "left_out": network}
+    return r

@@ -17,7 +17,10 @@ when candidates are measured (:mod:`ttrank.measure`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,15 +231,43 @@ def _rename_blocks(trace, renames: dict[str, str]):
     return s_tir.Trace(insts, decisions)
 
 
-def _postprocess(sch, target) -> bool:
+_POSTPROCS: dict[str, list] = {}
+
+
+@contextlib.contextmanager
+def _without_tensor_intrinsics():
+    """TuneContext imports tvm.s_tir.tensor_intrin, which parses hundreds of TVMScript
+    intrinsics (30 s to minutes here); the llvm postprocessors use none of them, so a
+    placeholder module stands in while the context is made, and is removed after."""
+    name = "tvm.s_tir.tensor_intrin"
+    if name in sys.modules:
+        yield
+        return
+    stub = sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        if sys.modules.get(name) is stub:
+            del sys.modules[name]
+
+
+def _postprocessors(target) -> list:
+    """MetaSchedule's llvm postprocessors, initialised once per target."""
     from tvm.s_tir import meta_schedule as ms
 
-    ctx = ms.TuneContext(mod=sch.mod, target=target, num_threads="physical")
-    for p in ms.postproc.Postproc.create("llvm"):
-        p._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
-        if not p.apply(sch):
-            return False
-    return True
+    key = str(target)
+    if key not in _POSTPROCS:
+        with _without_tensor_intrinsics():
+            ctx = ms.TuneContext(target=target, num_threads="physical")
+        procs = list(ms.postproc.Postproc.create("llvm"))
+        for p in procs:
+            p._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
+        _POSTPROCS[key] = procs
+    return _POSTPROCS[key]
+
+
+def _postprocess(sch, target) -> bool:
+    return all(p.apply(sch) for p in _postprocessors(target))
 
 
 def _apply(kernel_mod, trace, method: str, target):

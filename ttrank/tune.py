@@ -140,6 +140,7 @@ def count_trials(work_dir: str | Path) -> dict[str, dict]:
         if row.get("event") == "task_complete":
             # MetaSchedule stops early when a task's search space is exhausted
             t["complete"] = True
+            t["target"] = row.get("target")
             continue
         t["done"] += 1
         t["search_s"] = max(t["search_s"], row.get("search_s") or 0.0)
@@ -186,12 +187,19 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     done = count_trials(work_dir)
     progress = TuneProgress(budget_s=budget_minutes * 60 if budget_minutes else None)
     prior_search = max((d["search_s"] for d in done.values()), default=0.0)
+    old = _read_manifest(work_dir)
     for i in order:
         k = kernels[i]
         want = trials_per_task if k.flops > 0 else injective_trials
         d = done.get(k.name, {})
-        progress.tasks.append(TaskProgress(k.name, k.flops, k.weight,
-                                           d["done"] if d.get("complete") else want,
+        # a finished task is re-opened when more trials are asked for, unless its search space
+        # ran out before the target it had then (logs before the target was recorded: the manifest)
+        then = d.get("target") or (
+            old.get("first_trials_per_task", old.get("trials_per_task", want)) if k.flops > 0
+            else old.get("first_injective_trials", old.get("injective_trials", want)))
+        exhausted = d.get("complete") and d.get("done", 0) < then
+        target_trials = d["done"] if exhausted or (d.get("complete") and d["done"] >= want) else want
+        progress.tasks.append(TaskProgress(k.name, k.flops, k.weight, target_trials,
                                            d.get("done", 0), d.get("best_s")))
     _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
                     progress, prior_search)
@@ -240,9 +248,10 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                 num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
                 runner=runner, database=database, measure_callbacks=callbacks,
                 task_scheduler="round-robin", cost_model="xgb")
-            tp.target_trials = tp.done  # finished, possibly early on an exhausted space
             append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
-                                                  "search_s": round(clock(), 3)})
+                                                  "search_s": round(clock(), 3),
+                                                  "target": tp.target_trials})
+            tp.target_trials = tp.done  # finished, possibly early on an exhausted space
             progress.search_s = clock()
             _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials,
                             kernels, progress, prior_search)
@@ -263,6 +272,13 @@ def _quiet_console_handlers() -> None:
             h.setLevel(level)
 
 
+def _read_manifest(work_dir: Path) -> dict:
+    try:
+        return json.loads((work_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
                     injective_trials: int, kernels, progress: TuneProgress,
                     prior_search: float) -> None:
@@ -272,6 +288,10 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "model": model_name,
         "trials_per_task": trials_per_task,
         "injective_trials": injective_trials,
+        # what the first run asked for: how older logs without per-task targets are read
+        "first_trials_per_task": old.get("first_trials_per_task", old.get("trials_per_task", trials_per_task)),
+        "first_injective_trials": old.get("first_injective_trials",
+                                          old.get("injective_trials", injective_trials)),
         "kernels": len(kernels),
         "trials_done": progress.trials_done,
         "trials_target": progress.trials_total,
@@ -285,3 +305,4 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
                    "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
     }
     atomic_write_json(path, manifest)
+

@@ -1,0 +1,127 @@
+"""Keep the machine busy on the long, resumable data jobs, in dependency order, and commit
+what finishes.
+
+    nohup python bench/background.py --budget-minutes 170 [--commit] > /work/logs/bg.log 2>&1 &
+
+Steps (each resumes where the last session stopped; a finished step is skipped quickly):
+  1. donors    the 11 zoo networks tuned at 64 trials per task   (bench/tune_donors.py)
+  2. collect   cross-measurements, every network as target       (ttrank collect)
+  3. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
+               continuing each network's 64-trial donor run in datasets/metaschedule_long/
+  4. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
+Run one copy at a time (it refuses to start when another is running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from tune_donors import ORDER  # noqa: E402
+
+LONG = ["resnet18", "mobilenetv2", "resnet50", "bert"]
+LONG_TRIALS = 200
+
+
+def run(cmd: list[str], deadline: float) -> int:
+    left = (deadline - time.time()) / 60
+    if left < 3:
+        return -1
+    cmd = [c.replace("{left}", f"{left:.1f}") for c in cmd]
+    print(time.strftime("%H:%M:%S"), " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+def commit(message: str, enabled: bool) -> None:
+    if not enabled:
+        return
+    paths = ["datasets", "bench/results"]
+    for _ in range(5):  # someone else may hold the index lock for a moment
+        if subprocess.call(["git", "add", *paths], cwd=ROOT) == 0:
+            break
+        time.sleep(3)
+    if subprocess.call(["git", "diff", "--cached", "--quiet", "--", *paths], cwd=ROOT) == 0:
+        return
+    for _ in range(5):
+        if subprocess.call(["git", "commit", "-q", "-m", message, "--", *paths], cwd=ROOT) == 0:
+            return
+        time.sleep(3)
+
+
+def donors_complete(names: list[str]) -> bool:
+    import json
+
+    for n in names:
+        man = ROOT / "datasets" / "donors" / n / "tune_manifest.json"
+        m = json.loads(man.read_text()) if man.exists() else {}
+        if not (m.get("complete") and m.get("model_latency_ms")):
+            return False
+    return True
+
+
+def prepare_long(net: str) -> Path:
+    """Seed a long run with the network's finished 64-trial run, so its curve continues."""
+    dst = ROOT / "datasets" / "metaschedule_long" / net
+    src = ROOT / "datasets" / "donors" / net
+    if not dst.exists() and src.exists():
+        tmp = dst.with_name(f".{net}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("logs"))
+        tmp.rename(dst)
+    return dst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-minutes", type=float, required=True)
+    ap.add_argument("--commit", action="store_true", help="git-commit datasets/ after each step")
+    ap.add_argument("--steps", nargs="+", default=["donors", "collect", "long", "evaluate"])
+    args = ap.parse_args()
+    import psutil
+
+    others = [p for p in psutil.process_iter(["pid", "cmdline"])
+              if p.pid != psutil.Process().pid and "background.py" in " ".join(p.info["cmdline"] or [])
+              and "python" in " ".join(p.info["cmdline"] or [])]
+    if others:
+        print(f"another background.py is running (pid {others[0].pid})")
+        return 1
+    deadline = time.time() + 60 * args.budget_minutes
+    py = sys.executable
+
+    if "donors" in args.steps:
+        for net in ORDER:
+            if run([py, "bench/tune_donors.py", "--budget-minutes", "{left}", net], deadline) < 0:
+                return 0
+            commit(f"Donor tuning: {net}", args.commit)
+    if not donors_complete(ORDER):
+        print("donors incomplete; later steps wait for them", flush=True)
+        return 0
+    if "collect" in args.steps:
+        for net in ORDER:
+            if run(["ttrank", "collect", net, "--max-per-kernel", "24", "--budget-minutes", "{left}",
+                    "--quiet"], deadline) < 0:
+                return 0
+            commit(f"Cross-measurements: {net}", args.commit)
+    if "long" in args.steps:
+        for net in LONG:
+            work = prepare_long(net)
+            if run(["ttrank", "tune", f"zoo:{net}", "--out", str(work), "--name", net,
+                    "--trials-per-task", str(LONG_TRIALS), "--budget-minutes", "{left}",
+                    "--no-progress", "--measure-model"], deadline) < 0:
+                return 0
+            commit(f"MetaSchedule long run: {net}", args.commit)
+    if "evaluate" in args.steps:
+        if run([py, "bench/paper_table.py", "--measure", "--budget-minutes", "{left}"], deadline) >= 0:
+            commit("Paper table measurements", args.commit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

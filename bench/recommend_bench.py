@@ -1,0 +1,210 @@
+"""`ttrank recommend` on one zoo network, leave-one-out, against MetaSchedule's own tuning curve.
+
+    python bench/recommend_bench.py [--network resnet50] [--pause-background]
+
+Runs the CLI as a user would (fresh data dir, so nothing is reused from earlier runs), with the
+network's own schedules and measurements left out of both the candidates and the ranker.
+Then reads MetaSchedule's convergence curve for the same network from its donor tuning log
+(datasets/metaschedule_long/<net> when that longer run exists, else datasets/donors/<net>) and
+finds the search seconds MetaSchedule needed to reach ttrank's latency. Both sides are compared
+as the sum over kernels of weight x measured kernel latency, since MetaSchedule's log only has
+kernel latencies along the way; the whole-model latencies are reported beside them.
+
+Writes bench/results/recommend_<net>.json with speedup_vs_untuned, recommend_seconds and
+metaschedule_seconds_to_match (the oracle bound: MetaSchedule's best possible split of time
+among kernels; the as-run figure is kept beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+WATCHDOG = """
+import os, signal, sys, time
+parent, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+while True:
+    try:
+        os.kill(parent, 0)
+    except OSError:
+        break
+    time.sleep(1)
+for p in pids:
+    try:
+        os.kill(p, signal.SIGCONT)
+    except OSError:
+        pass
+"""
+
+
+@contextlib.contextmanager
+def paused_background(enabled: bool):
+    """SIGSTOP other ttrank tune/collect processes (and their workers) for a clean measurement."""
+    import psutil
+
+    stopped = []
+    if enabled:
+        me = os.getpid()
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["pid"] != me and ("ttrank tune" in cmd or "ttrank collect" in cmd
+                                        or "tune_donors.py" in cmd or "background.py" in cmd):
+                for q in [p] + p.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        q.send_signal(signal.SIGSTOP)
+                        stopped.append(q)
+        if stopped:
+            print(f"paused {len(stopped)} background processes", flush=True)
+            # a dead-man switch: should this process die hard, the paused ones still resume
+            subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()),
+                              *[str(q.pid) for q in stopped]], start_new_session=True)
+            time.sleep(2)
+    try:
+        yield len(stopped)
+    finally:
+        for q in stopped:
+            with contextlib.suppress(Exception):
+                q.send_signal(signal.SIGCONT)
+
+
+def metaschedule_dir(net: str) -> Path | None:
+    for d in (ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net):
+        if (d / "trials.jsonl").exists():
+            return d
+    return None
+
+
+def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
+    """Re-measure, in one run, the untuned kernels, every step of MetaSchedule's curve and
+    ttrank's chosen schedules; then time the whole model built each way."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from ttrank.convergence import database_schedules, read_log, remeasure, remeasured_curves, \
+        seconds_to_match
+    from ttrank.donors import open_database
+    from ttrank.engine import time_side_by_side
+    from ttrank.frontend import load
+    from ttrank.measure import Measurer
+    from ttrank.target import make_target
+    from ttrank.zoo import export
+
+    d = metaschedule_dir(net)
+    if d is None:
+        return {"error": f"no MetaSchedule tuning log for {net} (tune it: python bench/tune_donors.py {net})"}
+    target = make_target()
+    log = read_log(d)
+    ours = database_schedules(db_dir)
+    measurer = Measurer(target)
+    with paused_background(pause):
+        try:
+            sbs = remeasure(log, {"ttrank": ours}, measurer,
+                            on_progress=lambda i, n, name: print(f"  re-measured {i}/{n} {name}", flush=True))
+        finally:
+            measurer.close()
+        with tempfile.TemporaryDirectory() as tmp:
+            onnx = export(net, Path(tmp) / f"{net}.onnx")
+            model = load(onnx)
+            whole = time_side_by_side(model, target, {
+                "ttrank": ms.database.JSONDatabase(work_dir=str(db_dir)),
+                "metaschedule": open_database(d)})
+    curves, order = remeasured_curves(log, sbs.steps)
+    w = log.weights
+    goal = sbs.kernel_sum(w, "ttrank")
+    untuned = {n: sbs.untuned[n] or 0.0 for n in w}
+    return {"log": str(d.relative_to(ROOT)), "trials": log.manifest.get("trials_done"),
+            "trials_per_task": log.manifest.get("trials_per_task"),
+            "search_seconds": log.manifest.get("search_seconds"),
+            "kernel_sum_ms": {"untuned": 1e3 * sum(w[n] * untuned[n] for n in w),
+                              "ttrank": 1e3 * goal, "metaschedule_final": 1e3 * sbs.kernel_sum(w)},
+            "whole_model_ms": whole,
+            "seconds_to_match": seconds_to_match(curves, order, w, untuned, goal),
+            "kernels": {n: {"weight": w[n], "untuned_s": sbs.untuned.get(n),
+                            "ttrank_s": sbs.others.get("ttrank", {}).get(n),
+                            "metaschedule_steps": [(round(st.seconds, 1), lat) for st, lat in
+                                                   zip(log.steps.get(n, []), sbs.steps.get(n, []))]}
+                        for n in w}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--network", default="resnet50")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--pause-background", action="store_true",
+                    help="pause background tuning/collection during the run (2 cores)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    net = args.network
+    from ttrank.target import provenance
+    from ttrank.util import atomic_write_json
+
+    with tempfile.TemporaryDirectory(prefix="ttrank-bench-") as tmp:
+        rep_path = Path(tmp) / "report.json"
+        cmd = ["ttrank", "recommend", f"zoo:{net}", "--leave-one-out", "--no-progress",
+               "--data-dir", str(Path(tmp) / "data"), "-o", str(Path(tmp) / f"{net}.so"),
+               "--json", str(rep_path)]
+        if args.top_k:
+            cmd += ["--top-k", str(args.top_k)]
+        # the zoo model is exported before the clock starts: a user already has their file
+        subprocess.run(["ttrank", "zoo", "export", net, str(Path(tmp) / "warm.onnx")],
+                       check=True, capture_output=True)
+        with paused_background(args.pause_background) as paused:
+            t0 = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wall = time.time() - t0
+        print(proc.stdout[-4000:])
+        if proc.returncode != 0:
+            print(proc.stderr[-2000:], file=sys.stderr)
+            return proc.returncode
+        report = json.loads(rep_path.read_text())
+        ms = side_by_side(net, Path(report["database"]), args.pause_background)
+    lat = report["model_latency_ms"]
+    match = (ms.get("seconds_to_match") or {}).get("oracle")
+    whole = ms.get("whole_model_ms", {})
+    out = {
+        "network": net, "command": " ".join(cmd[:4]) + " ...",
+        "recommend_seconds": round(wall, 1),
+        "speedup_vs_untuned": lat["untuned"] / lat["tuned"],
+        "model_latency_ms": lat, "search_seconds": report["search_seconds"],
+        "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
+        "kernels": len(report["kernels"]),
+        "kernels_tuned": sum(1 for k in report["kernels"] if k["status"] != "untuned"),
+        "donor_networks": sorted({k["chosen"]["donor_network"] for k in report["kernels"] if k.get("chosen")}),
+        "metaschedule_seconds_to_match": match,
+        "metaschedule_seconds_to_match_as_run": (ms.get("seconds_to_match") or {}).get("as_run"),
+        "metaschedule_time_ratio": (match / wall) if match else None,
+        # when MetaSchedule never got there, its whole run is a lower bound on the time it needs
+        "metaschedule_seconds_to_match_lower_bound": match or ms.get("search_seconds"),
+        "metaschedule_time_ratio_lower_bound": (match or ms.get("search_seconds") or 0) / wall,
+        "side_by_side_ms": whole,
+        "metaschedule": ms,
+        "background_paused": paused,
+        "provenance": provenance(),
+        "note": "recommend ran with background work paused and a fresh data dir. Afterwards, in one "
+                "run, the untuned kernels, every step of MetaSchedule's curve (the trial that set "
+                "each batch's new best) and ttrank's chosen schedules were re-measured kernel by "
+                "kernel, and both whole models timed in alternation (side_by_side_ms). Time to "
+                "match compares kernel sums (weight x latency). 'oracle' is MetaSchedule's best "
+                "possible split of its search time among kernels; None means its logged run never "
+                "reached ttrank's latency.",
+    }
+    path = Path(args.out) if args.out else RESULTS / f"recommend_{net}.json"
+    atomic_write_json(path, out)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("metaschedule", "model_latency_ms")},
+                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
