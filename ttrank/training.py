@@ -60,7 +60,8 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
             report.setdefault("baselines", {})[kind] = evaluate(ds, sc)
     report["objective"] = best_obj
     loo = report["objectives"].get(best_obj, {}).get("average") or {}
-    report["top_k"] = choose_top_k(loo)
+    # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores
+    report["top_k"] = choose_top_k(loo, max_k=5)
     ranker = Ranker(objective=best_obj, n_estimators=n_estimators).fit(ds.X, ds.y, ds.groups)
     prov = provenance()
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
