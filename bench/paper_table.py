@@ -48,8 +48,10 @@ METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 
 
 def ms_dir(net: str) -> Path | None:
+    """The longest finished MetaSchedule run for ``net`` (a run still going does not count)."""
     for d in (ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net):
-        if (d / "tune_manifest.json").exists() and (d / "trials.jsonl").exists():
+        man = d / "tune_manifest.json"
+        if man.exists() and (d / "trials.jsonl").exists() and json.loads(man.read_text()).get("complete"):
             return d
     return None
 

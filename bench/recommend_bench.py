@@ -80,8 +80,10 @@ def paused_background(enabled: bool):
 
 
 def metaschedule_dir(net: str) -> Path | None:
+    """The longest finished MetaSchedule run for ``net`` (a run still going does not count)."""
     for d in (ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net):
-        if (d / "trials.jsonl").exists():
+        man = d / "tune_manifest.json"
+        if (d / "trials.jsonl").exists() and man.exists() and json.loads(man.read_text()).get("complete"):
             return d
     return None
 
@@ -102,7 +104,8 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
 
     d = metaschedule_dir(net)
     if d is None:
-        return {"error": f"no MetaSchedule tuning log for {net} (tune it: python bench/tune_donors.py {net})"}
+        return {"error": f"no finished MetaSchedule tuning log for {net} yet "
+                         f"(python bench/tune_donors.py {net} finishes it)"}
     target = make_target()
     log = read_log(d)
     ours = database_schedules(db_dir)

@@ -147,6 +147,37 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     assert res.max_abs_error_vs_onnxruntime < 1e-3
 
 
+def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_cnn, tmp_path,
+                                                      monkeypatch):
+    """Ctrl-C in the middle: finished batches stay in the table, nothing is written as done,
+    and the rerun measures only what is missing."""
+    import ttrank.engine as engine
+
+    monkeypatch.setattr(engine, "MEASURE_CHUNK", 1)
+    real, calls, stop = measure.Measurer.measure, [], [True]
+
+    def interrupted(self, mods, *a, **kw):
+        if kw.get("references") is not None:  # a batch of transferred candidates
+            calls.append(len(mods))
+            if len(calls) == 2 and stop and stop.pop():
+                raise KeyboardInterrupt
+        return real(self, mods, *a, **kw)
+
+    monkeypatch.setattr(measure.Measurer, "measure", interrupted)
+    kw = dict(store=donors.DonorStore.load([donor_dir]), ranker=Ranker.load(trained), top_k=2,
+              data_dir=tmp_path / "data", database_dir=tmp_path / "db", time_model=False)
+    with pytest.raises(KeyboardInterrupt):
+        ttrank.recommend(frontend.load(tiny_cnn), **kw)
+    table = tmp_path / "data" / "measurements" / "tiny_cnn.jsonl"
+    kept = [json.loads(l) for l in table.read_text().splitlines() if '"untuned"' not in l]
+    assert len(kept) == 1 and not (tmp_path / "db").exists()
+    calls.clear()
+    res = ttrank.recommend(frontend.load(tiny_cnn), **kw)
+    assert res.max_abs_error_vs_onnxruntime < 1e-3 and (tmp_path / "db").exists()
+    done = [json.loads(l) for l in table.read_text().splitlines() if '"untuned"' not in l]
+    assert len(calls) == len(done) - 1  # the kept candidate was not measured again
+
+
 def test_recommend_on_a_third_party_export_with_dynamic_dims(trained, donor_dir, tmp_path, capsys):
     """An MLP exported by skl2onnx: a dynamic batch dim, a Cast, a Reshape; recommend needs
     the shape, then transfers tiny_resnet's dense-layer schedule onto its MatMul kernels."""

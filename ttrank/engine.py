@@ -16,6 +16,10 @@ from .frontend import LoadedModel
 
 log = logging.getLogger("ttrank")
 
+# candidates per measuring batch: enough to keep both build workers busy, few enough that an
+# interruption loses little (each finished batch is appended to the measurement table)
+MEASURE_CHUNK = 8
+
 
 def compile_model(model: LoadedModel, target, database=None):
     """Compile with the default CPU pipeline, or with a MetaSchedule database's schedules."""
@@ -384,7 +388,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             if k.name in picked_of:
                 reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
 
-        chunk = 8
+        chunk = MEASURE_CHUNK
         for s in range(0, len(todo), chunk):
             part = todo[s:s + chunk]
             results = measurer.measure([t.mod for _, t in part],
