@@ -41,19 +41,11 @@ RESULTS = ROOT / "bench" / "results"
 RUNS = RESULTS / "paper_runs"
 sys.path.insert(0, str(ROOT / "bench"))
 
+from recommend_bench import metaschedule_dir as ms_dir  # noqa: E402
 from tune_donors import ORDER  # noqa: E402
 
 KS = (1, 3, 5)
 METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
-
-
-def ms_dir(net: str) -> Path | None:
-    """The longest finished MetaSchedule run for ``net`` (a run still going does not count)."""
-    for d in (ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net):
-        man = d / "tune_manifest.json"
-        if man.exists() and (d / "trials.jsonl").exists() and json.loads(man.read_text()).get("complete"):
-            return d
-    return None
 
 
 def inputs_hash(net: str) -> str:

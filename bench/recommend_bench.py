@@ -80,12 +80,10 @@ def paused_background(enabled: bool):
 
 
 def metaschedule_dir(net: str) -> Path | None:
-    """The longest finished MetaSchedule run for ``net`` (a run still going does not count)."""
-    for d in (ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net):
-        man = d / "tune_manifest.json"
-        if (d / "trials.jsonl").exists() and man.exists() and json.loads(man.read_text()).get("complete"):
-            return d
-    return None
+    """The longest finished MetaSchedule run for ``net``."""
+    from ttrank.convergence import finished_run
+
+    return finished_run(ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net)
 
 
 def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:

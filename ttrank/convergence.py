@@ -115,6 +115,15 @@ def _cross(o, a, b) -> float:
     return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
+def finished_run(*work_dirs: str | Path) -> Path | None:
+    """The first of ``work_dirs`` holding a finished tuning run (a run still going does not count)."""
+    for d in map(Path, work_dirs):
+        man = d / MANIFEST_FILE
+        if (d / TRIALS_FILE).exists() and man.exists() and json.loads(man.read_text()).get("complete"):
+            return d
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # the schedules behind the curve, re-measured side by side
 
