@@ -27,9 +27,9 @@ def main() -> None:
 
     store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
     report = training.train(dirs, store, out=args.out, n_estimators=args.trees)
-    print(json.dumps({k: v for k, v in report.items() if k != "objectives"}, indent=1))
-    for obj, r in report.get("objectives", {}).items():
-        print(obj, json.dumps(r["average"]))
+    print(json.dumps({k: v for k, v in report.items() if k != "configs"}, indent=1))
+    for label, r in report.get("configs", {}).items():
+        print(label, json.dumps({k: round(v, 3) for k, v in r["average"].items()}))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import os
 import subprocess
 import sys
 import time
@@ -36,7 +37,9 @@ def run(cmd: list[str], deadline: float) -> int:
         return -1
     cmd = [c.replace("{left}", f"{left:.1f}") for c in cmd]
     print(time.strftime("%H:%M:%S"), " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+    # The steps import ttrank from this checkout even when the installed copy points elsewhere.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
 def commit(message: str, enabled: bool) -> None:

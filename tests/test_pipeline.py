@@ -98,6 +98,22 @@ def test_ranker_save_load_refuses_other_schema(trained, tmp_path):
         Ranker.load(tmp_path / "cut.json")
 
 
+def test_ranker_on_a_subset_of_feature_groups(measurements, donor_dir, tmp_path):
+    ds = collect.build_dataset([measurements], donors.DonorStore.load([donor_dir]))
+    r = Ranker(objective="reg:squarederror", n_estimators=20, feature_groups=("t", "s", "r"))
+    r.fit(ds.X, ds.y, ds.groups).save(tmp_path / "sub.json")
+    back = Ranker.load(tmp_path / "sub.json")
+    assert back.feature_groups == ("t", "s", "r")
+    assert not any(n.startswith(("a_", "d_")) for n in back.feature_names)
+    assert np.allclose(back.predict(ds.X), r.predict(ds.X))
+    # columns outside the groups do not move the scores
+    X2 = ds.X.copy()
+    X2[:, [i for i, n in enumerate(FEATURE_NAMES) if n.startswith("a_")]] = 123.0
+    assert np.allclose(back.predict(X2), r.predict(ds.X))
+    with pytest.raises(ValueError, match="unknown feature groups"):
+        Ranker(feature_groups=("t", "zz"))
+
+
 def test_metrics_on_known_orders():
     lat = [4.0, 1.0, 2.0, None]
     assert group_metrics(lat, np.array([0.0, 1.0, 0.5, 0.9]))["top1"] == 1.0

@@ -411,9 +411,9 @@ def cmd_train(args) -> int:
         finally:
             measurer.close()
     report = training.train(out=out, n_estimators=args.trees)
-    avg = report.get("objectives", {}).get(report["objective"], {}).get("average")
+    avg = report.get("leave_one_network_out")
     con.print(f"trained on {report['rows']} candidates in {report['groups']} kernel groups from "
-              f"{len(report['networks'])} networks; objective {report['objective']}; saved {out}")
+              f"{len(report['networks'])} networks; ranker {report['config']}; saved {out}")
     from .evaluate import KEYS
 
     if avg:

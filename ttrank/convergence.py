@@ -15,6 +15,8 @@ from pathlib import Path
 
 from .tune import MANIFEST_FILE, TRIALS_FILE
 from .util import read_jsonl
+
+
 @dataclass
 class TaskCurve:
     """One task's search: (seconds spent on this task, best latency so far) after each batch."""
@@ -37,19 +39,10 @@ def task_curves(work_dir: str | Path) -> tuple[dict[str, TaskCurve], list[tuple[
     """
     curves: dict[str, TaskCurve] = {}
     order: list[tuple[float, str, float | None]] = []
-    last_t, batch = 0.0, None
-    for row in read_jsonl(Path(work_dir) / TRIALS_FILE):
-        t = float(row.get("search_s") or 0.0)
-        if row.get("event") == "task_complete":
-            last_t = max(last_t, t)
-            batch = None
-            continue
+    for row, t, spent, new_batch in _trial_rows(work_dir):
         c = curves.setdefault(row["task"], TaskCurve(row["task"], row.get("workload", "")))
-        key = (row["task"], t)
-        if key != batch:  # a new batch: every row of one batch carries the same time
-            spent = (c.points[-1][0] if c.points else 0.0) + max(0.0, t - last_t)
+        if new_batch:
             c.points.append((spent, c.best_s))
-            last_t, batch = max(last_t, t), key
         lat = row.get("latency_s")
         if lat is not None and (c.points[-1][1] is None or lat < c.points[-1][1]):
             c.points[-1] = (c.points[-1][0], lat)
@@ -58,6 +51,23 @@ def task_curves(work_dir: str | Path) -> tuple[dict[str, TaskCurve], list[tuple[
         else:
             order.append((t, row["task"], c.points[-1][1]))
     return curves, order
+
+
+def _trial_rows(work_dir: str | Path):
+    """Each trial of ``trials.jsonl`` as (row, run seconds, seconds its own task had been searched,
+    first row of a new batch?). Every row of one batch carries the same time."""
+    last_t, batch, spent = 0.0, None, {}
+    for row in read_jsonl(Path(work_dir) / TRIALS_FILE):
+        t = float(row.get("search_s") or 0.0)
+        if row.get("event") == "task_complete":
+            last_t, batch = max(last_t, t), None
+            continue
+        name = row["task"]
+        new_batch = (name, t) != batch
+        if new_batch:
+            spent[name] = spent.get(name, 0.0) + max(0.0, t - last_t)
+            last_t, batch = max(last_t, t), (name, t)
+        yield row, t, spent[name], new_batch
 
 
 def model_curve(curves: dict[str, TaskCurve], order, weights: dict[str, int],
@@ -185,16 +195,8 @@ def read_log(work_dir: str | Path) -> TuningLog:
     # trials and records are written in the same order, one each per measured candidate
     steps: dict[str, list[Step]] = {n: [] for n in kernels}
     seen: dict[str, int] = {}
-    last_t, batch, spent = 0.0, None, {}
-    for row in read_jsonl(work_dir / TRIALS_FILE):
-        t = float(row.get("search_s") or 0.0)
-        if row.get("event") == "task_complete":
-            last_t, batch = max(last_t, t), None
-            continue
+    for row, t, spent, _ in _trial_rows(work_dir):
         name = row["task"]
-        if (name, t) != batch:
-            spent[name] = spent.get(name, 0.0) + max(0.0, t - last_t)
-            last_t, batch = max(last_t, t), (name, t)
         i = seen.get(name, 0)
         seen[name] = i + 1
         lat = row.get("latency_s")
@@ -202,7 +204,7 @@ def read_log(work_dir: str | Path) -> TuningLog:
             continue
         best = steps[name][-1].logged_s if steps[name] else None
         if best is None or lat < best:
-            st = Step(name, spent[name], t, lat, records[name][i])
+            st = Step(name, spent, t, lat, records[name][i])
             if steps[name] and steps[name][-1].global_s == t:
                 steps[name][-1] = st  # the curve moves once per batch: keep that batch's best
             else:

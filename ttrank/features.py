@@ -5,6 +5,8 @@ Groups (all numeric, in the fixed order of :data:`FEATURE_NAMES`):
 - ``d_*``  the donor workload, the same way;
 - ``s_*``  the donor schedule's primitives, read from its trace JSON: tile factors per loop and
   level, vectorize/parallel/unroll, cache-write and compute-at placement, trace size;
+- ``a_*``  the donor's tiles as adapted to the target's extents (what will actually run): tile
+  factors per loop and level, parallel chunks, register and L1 tile volumes, vector fit;
 - ``r_*``  relations: extent ratios, divisibility, how much tile adaptation must change, the
   padding waste of keeping the inner tiles, epilogue match, the donor's own GFLOPS and rank.
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from .kernels import Kernel
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 MAX_LOOPS = 7
 MAX_LEVELS = 4  # spatial tiles have 4 levels on CPU (SSRSRS), reductions 2
 
@@ -40,6 +42,9 @@ def _names() -> list[str]:
     names += ["s_inner_spatial", "s_inner_reduce", "s_outer_spatial", "s_parallel", "s_vectorize",
               "s_unroll", "s_cache_write", "s_cache_read", "s_compute_at", "s_compute_loc",
               "s_ninsts", "s_nsplits", "s_rfactor"]
+    names += [f"a_tile{j}_{lv}" for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)]
+    names += ["a_parallel_chunks", "a_outer2_chunks", "a_reg_spatial", "a_reg_reduce", "a_l1_spatial",
+              "a_acc_bytes", "a_vec_extent", "a_vec_mult16", "a_vec_mult8", "a_inner_ones"]
     names += [f"r_ratio{j}" for j in range(MAX_LOOPS)]
     names += ["r_ratio_l1", "r_same_shape", "r_divisible_loops", "r_tiles_changed",
               "r_inner_change", "r_pad_waste", "r_parallel_fit", "r_inner_fit",
@@ -49,6 +54,16 @@ def _names() -> list[str]:
 
 
 FEATURE_NAMES: list[str] = _names()
+# groups a ranker may use or leave out (chosen by leave-one-out evaluation): the name's prefix
+FEATURE_GROUPS: tuple[str, ...] = ("t", "d", "s", "a", "r")
+
+
+def group_columns(groups: tuple[str, ...] | list[str]) -> list[int]:
+    """Indices into :data:`FEATURE_NAMES` of the features in ``groups``."""
+    unknown = set(groups) - set(FEATURE_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown feature groups {sorted(unknown)}; known: {FEATURE_GROUPS}")
+    return [i for i, n in enumerate(FEATURE_NAMES) if n.split("_", 1)[0] in groups]
 
 
 def workload_features(k: Kernel, side: str) -> dict[str, float]:
@@ -165,6 +180,42 @@ def schedule_features(trace: dict[str, Any], kinds: str) -> dict[str, float]:
     return f
 
 
+def adapted_features(target: Kernel, trace: dict[str, Any]) -> dict[str, float]:
+    """The donor's tiling as it will run on the target: each anchor loop's factors mapped onto the
+    target extent the way the transfer does it (:func:`ttrank.transfer.adapt_tiles`)."""
+    from .transfer import adapt_tiles
+
+    f = {f"a_tile{j}_{lv}": 0.0 for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)}
+    kinds = target.iter_kinds
+    par = par2 = reg_s = reg_r = l1_s = 1
+    vec, ones = 0, 0
+    last_s = max((j for j in range(len(kinds)) if kinds[j] == "S"), default=None)
+    for j, fac in trace["tiles"].items():
+        if j >= len(target.extents):
+            continue
+        new = adapt_tiles(fac, target.extents[j])
+        if j < MAX_LOOPS:
+            for lv in range(min(len(new), MAX_LEVELS)):
+                f[f"a_tile{j}_{lv}"] = _l2(new[lv])
+        if kinds[j] == "R":
+            reg_r *= new[-1]
+            continue
+        par *= new[0]
+        par2 *= new[0] * (new[1] if len(new) > 2 else 1)
+        reg_s *= new[-1]
+        l1_s *= math.prod(new[2:]) if len(new) > 2 else new[-1]
+        ones += int(len(new) > 1 and all(x == 1 for x in new[1:]))
+        if j == last_s:
+            vec = new[-1]
+    f.update({"a_parallel_chunks": _l2(par), "a_outer2_chunks": _l2(par2), "a_reg_spatial": _l2(reg_s),
+              "a_reg_reduce": _l2(reg_r), "a_l1_spatial": _l2(l1_s),
+              # fp32 accumulators of the register tile: past the register file they spill
+              "a_acc_bytes": _l2(reg_s * 4), "a_vec_extent": _l2(vec),
+              "a_vec_mult16": float(vec > 0 and vec % 16 == 0), "a_vec_mult8": float(vec > 0 and vec % 8 == 0),
+              "a_inner_ones": ones})
+    return f
+
+
 def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], donor_latency_s: float,
                       donor_best_s: float, rank: int) -> dict[str, float]:
     from .transfer import adapt_tiles
@@ -229,6 +280,7 @@ def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_
     f.update(workload_features(target, "t"))
     f.update(workload_features(donor, "d"))
     f.update(schedule_features(trace, donor.iter_kinds))
+    f.update(adapted_features(target, trace))
     f.update(relation_features(target, donor, trace, donor_latency_s, donor_best_s, rank))
     return f
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RankerError
-from .features import FEATURE_NAMES, FEATURE_VERSION
+from .features import FEATURE_GROUPS, FEATURE_NAMES, FEATURE_VERSION, group_columns
 from .util import atomic_write_bytes, atomic_write_json
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "ranker.json"
@@ -32,7 +32,8 @@ class Ranker:
 
     def __init__(self, objective: str = "rank:pairwise", n_estimators: int = 300,
                  max_depth: int = 6, learning_rate: float = 0.05, subsample: float = 0.9,
-                 colsample_bytree: float = 0.9, seed: int = 0):
+                 colsample_bytree: float = 0.9, seed: int = 0, n_jobs: int = 1,
+                 feature_groups: tuple[str, ...] = FEATURE_GROUPS):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}")
         self.objective = objective
@@ -42,12 +43,22 @@ class Ranker:
         self.subsample = subsample
         self.colsample_bytree = colsample_bytree
         self.seed = seed
+        # one thread by default: the data is small, and on a busy machine OpenMP threads spin
+        # waiting for each other (minutes instead of seconds)
+        self.n_jobs = n_jobs
+        self.feature_groups = tuple(feature_groups)
+        self._cols = group_columns(self.feature_groups)
         self.booster = None
         self.metadata: dict[str, Any] = {}
 
     def get_params(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("objective", "n_estimators", "max_depth",
-                                              "learning_rate", "subsample", "colsample_bytree", "seed")}
+                                              "learning_rate", "subsample", "colsample_bytree", "seed", "n_jobs",
+                                              "feature_groups")}
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [FEATURE_NAMES[i] for i in self._cols]
 
     def fit(self, X: np.ndarray, y: np.ndarray, groups: list[int] | np.ndarray) -> Ranker:
         """``groups``: sizes of consecutive groups in X (one group per target kernel)."""
@@ -60,12 +71,13 @@ class Ranker:
         params = {"objective": self.objective, "max_depth": self.max_depth,
                   "eta": self.learning_rate, "subsample": self.subsample,
                   "colsample_bytree": self.colsample_bytree, "seed": self.seed,
-                  "nthread": 2, "verbosity": 0}
+                  "nthread": self.n_jobs, "verbosity": 0}
         if self.objective.startswith("rank:"):
             params["lambdarank_pair_method"] = "topk" if self.objective == "rank:ndcg" else "mean"
             if self.objective == "rank:ndcg":
                 params["ndcg_exp_gain"] = False  # relevances are real numbers in [0, 1]
-        d = xgb.DMatrix(X, label=np.asarray(y, dtype=np.float32), feature_names=FEATURE_NAMES)
+        d = xgb.DMatrix(X[:, self._cols], label=np.asarray(y, dtype=np.float32),
+                        feature_names=self.feature_names)
         if self.objective.startswith("rank:"):
             d.set_group(np.asarray(groups, dtype=np.uint32))
         self.booster = xgb.train(params, d, num_boost_round=self.n_estimators)
@@ -78,7 +90,7 @@ class Ranker:
         if self.booster is None:
             raise RankerError("the ranker is not fitted")
         X = np.asarray(X, dtype=np.float32).reshape(-1, len(FEATURE_NAMES))
-        return self.booster.predict(xgb.DMatrix(X, feature_names=FEATURE_NAMES))
+        return self.booster.predict(xgb.DMatrix(X[:, self._cols], feature_names=self.feature_names))
 
     # --- persistence ------------------------------------------------------------------------
     def save(self, path: str | Path, **metadata) -> Path:
@@ -116,7 +128,10 @@ class Ranker:
         if meta.get("model_sha256") and hashlib.sha256(raw).hexdigest() != meta["model_sha256"]:
             raise RankerError(f"{path} does not match its metadata (modified or truncated)")
         params = meta.get("params", {})
-        r = cls(**{k: v for k, v in params.items() if k in cls().get_params()})
+        try:
+            r = cls(**{k: v for k, v in params.items() if k in cls().get_params()})
+        except (TypeError, ValueError) as e:
+            raise RankerError(f"{mp}: unusable parameters ({e})") from None
         try:
             r.booster = xgb.Booster()
             r.booster.load_model(bytearray(raw))
