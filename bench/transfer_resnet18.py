@@ -30,14 +30,11 @@ def main() -> None:
 
     from ttrank import donors, frontend, kernels, measure, transfer, zoo
     from ttrank.target import make_target, provenance
-    from ttrank.util import atomic_write_json, atomic_write_text, cache_dir
+    from ttrank.util import atomic_write_json, atomic_write_text
 
     target = make_target()
     store = donors.DonorStore.load([ROOT / "datasets" / "donors" / d for d in args.donors])
-    path = cache_dir() / "zoo" / f"{args.target_network}.onnx"
-    if not path.exists():
-        zoo.export(args.target_network, path)
-    model = frontend.load(path)
+    model = frontend.load(zoo.cached(args.target_network))
     ks = [k for k in kernels.extract(model.mod, target) if k.anchor_op.endswith("conv2d_nchw")]
     m = measure.Measurer(target)
     base_m = m.baseline()

@@ -146,6 +146,13 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     tuned = [k for k in r["kernels"] if k["status"] == "tuned"]
     assert tuned and all(k["chosen"]["latency_s"] < k["untuned_s"] for k in tuned)
     assert any(k["why"] == "no compatible donor schedule" for k in r["kernels"])
+    # measuring effort follows each kernel's share of the untuned model time
+    total = sum(k["weight"] * (k["untuned_s"] or 0) for k in r["kernels"])
+    for k in r["kernels"]:
+        if k["candidates"]:
+            share = k["weight"] * k["untuned_s"] / total
+            assert k["top_k"] == (2 if share >= 0.002 else 1)
+            assert len(k["measured"]) <= k["top_k"]
     assert (tmp_path / "cnn.so").exists()
     # the database is a plain MetaSchedule database
     from tvm.s_tir import meta_schedule as ms

@@ -8,9 +8,14 @@ from .transfer import Candidate  # noqa: E402
 
 
 def load(path, input_shapes=None):
-    """Load an ONNX model (``input_shapes``: {name: [dims]} for dynamic inputs)."""
+    """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:
+    {name: [dims]} for dynamic inputs)."""
     from .frontend import load as _load
 
+    if isinstance(path, str) and path.startswith("zoo:"):
+        from .zoo import cached
+
+        path = cached(path[4:])
     return _load(path, input_shapes)
 
 

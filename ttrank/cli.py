@@ -45,23 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_model_arg(spec: str, input_shapes: list[str]):
     """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached)."""
-    from . import frontend, zoo
+    from . import frontend, load
 
-    shapes = frontend.parse_input_shapes(input_shapes)
-    if spec.startswith("zoo:"):
-        name = spec[4:]
-        zoo.get(name)
-        path = zoo_cache_path(name)
-        if not path.exists():
-            zoo.export(name, path)
-        return frontend.load(path, shapes)
-    return frontend.load(spec, shapes)
-
-
-def zoo_cache_path(name: str) -> Path:
-    from .util import cache_dir
-
-    return cache_dir() / "zoo" / f"{name}.onnx"
+    return load(spec, frontend.parse_input_shapes(input_shapes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +308,8 @@ def cmd_recommend(args) -> int:
         res = engine.recommend(model, target=target, store=store, ranker=ranker, top_k=args.top_k,
                                output=output, database_dir=args.database, runner=_runner_spec(args),
                                data_dir=args.data_dir, exclude_networks=exclude,
-                               tune_missing=args.tune_missing, on_progress=on_progress)
+                               tune_missing=args.tune_missing, minor_share=args.minor_share,
+                               on_progress=on_progress)
     _print_report(con, res)
     if args.json:
         from .util import atomic_write_json
@@ -537,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-o", "--output", help="compiled library (default: MODEL.so)")
     r.add_argument("--top-k", type=int, default=None,
                    help="candidates measured per kernel (default: chosen by the ranker's evaluation)")
+    r.add_argument("--minor-share", type=float, default=0.002, metavar="FRACTION",
+                   help="kernels under this share of the untuned model time get only their top-1 "
+                        "candidate (default 0.002; 0 measures top-k everywhere)")
     r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
     r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
     r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")

@@ -208,7 +208,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
     """
     import numpy as np
 
-    from .features import pair_features, vector
+    from .features import vector
     from .ranker import relevance
 
     rec_of: dict[str, tuple[DonorWorkload, DonorRecord]] = {
@@ -237,8 +237,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                 rel = relevance(lat)
                 for r, rv in zip(usable, rel):
                     w, rec = rec_of[r["record"]]
-                    X.append(vector(pair_features(k, w.kernel, rec.trace_json, rec.latency_s,
-                                                  w.best_s, rec.rank)))
+                    X.append(vector(store.pair_features(k, w, rec)))
                     y.append(rv)
                     meta.append({"network": r["network"], "workload": wh, "record": r["record"],
                                  "latency_s": r["latency_s"], "weight": k.weight,

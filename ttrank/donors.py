@@ -249,6 +249,7 @@ class DonorStore:
         self.reports = reports or []
         self._by_anchor: dict[str, list[DonorWorkload]] = defaultdict(list)
         self._by_class: dict[str, list[DonorWorkload]] = defaultdict(list)
+        self._donor_features: dict[str, tuple] = {}
         for w in workloads:
             self._by_anchor[w.kernel.anchor_op].append(w)
             self._by_class[w.kernel.workload_class].append(w)
@@ -264,6 +265,17 @@ class DonorStore:
             workloads.extend(ws)
             reports.append(rep)
         return cls(workloads, reports)
+
+    def pair_features(self, target: Kernel, w: DonorWorkload, r: DonorRecord,
+                      target_part: dict | None = None) -> dict[str, float]:
+        """:func:`ttrank.features.pair_features`, with the record's own part computed once."""
+        from .features import donor_features, pair_features
+
+        part = self._donor_features.get(r.id)
+        if part is None:
+            part = self._donor_features[r.id] = donor_features(w.kernel, r.trace_json)
+        return pair_features(target, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank,
+                             donor_part=part, target_part=target_part)
 
     @property
     def networks(self) -> list[str]:

@@ -223,6 +223,7 @@ class KernelReport:
     why: str = ""
     chosen: dict | None = None  # donor network, kernel, record, rank, score, latency_s, method
     candidates: int = 0  # compatible candidates ranked
+    top_k: int = 0  # how many of them were to be measured
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -261,14 +262,14 @@ def rank_kernel(kernel, store, ranker, exclude_networks=frozenset()) -> list:
     """Every compatible donor schedule for ``kernel``, scored and sorted best first (no measuring)."""
     import numpy as np
 
-    from .features import pair_features, vector
+    from .features import vector, workload_features
     from .transfer import Candidate
 
     pairs = store.compatible(kernel, set(exclude_networks))
     if not pairs:
         return []
-    feats = [pair_features(kernel, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank)
-             for w, r in pairs]
+    tf = workload_features(kernel, "t")
+    feats = [store.pair_features(kernel, w, r, tf) for w, r in pairs]
     scores = ranker.predict(np.asarray([vector(f) for f in feats], dtype=np.float32))
     cands = [Candidate(kernel, w, r, score=float(s), features=f)
              for (w, r), s, f in zip(pairs, scores, feats)]
@@ -287,10 +288,13 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
               output: str | Path | None = None, database_dir: str | Path | None = None,
               runner=None, data_dir: str | Path | None = None, exclude_networks=frozenset(),
               tune_missing: int = 0, check: bool = True, time_model: bool = True,
-              untuned_run_limit_s: float = 15.0, on_progress=None) -> Result:
+              untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
+              on_progress=None) -> Result:
     """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
 
-    ``top_k`` defaults to the k chosen when the ranker was trained (its metadata).
+    ``top_k`` defaults to the k chosen when the ranker was trained (its metadata). Kernels
+    under ``minor_share`` of the untuned model time (weight x untuned latency) get only their
+    top-1 candidate: more could not move the model's latency by more than a fraction of that.
     Measurements are appended to ``data_dir/measurements/<model>.jsonl`` as they finish (the
     collector's format, so ``ttrank train`` learns from them), and a rerun reuses them.
     """
@@ -354,15 +358,27 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                 "target_key": tkey}
 
     try:
+        # the untuned kernels first: their share of the model decides how many candidates each gets
+        need = [k for k in kernels if ranked[k.name] and (k.workload_hash, UNTUNED) not in cached]
+        for k, m in zip(need, baseline.measure([k.mod for k in need]) if need else []):
+            row = cached[(k.workload_hash, UNTUNED)] = untuned_row(k, m)
+            append_jsonl(table, row)
+        for k in kernels:
+            if ranked[k.name]:
+                reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
+        total = sum(k.weight * (reports[k.name].untuned_s or 0.0) for k in kernels)
+
         todo: list[tuple[object, object]] = []  # (kernel, transferred candidate) to measure
         for k in kernels:
             rep = reports[k.name]
             if not ranked[k.name]:
                 rep.why = "no compatible donor schedule"
                 continue
+            share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
+            rep.top_k = top_k if share >= minor_share else 1
             picked = []  # transfer in rank order until k candidates apply (a rejection costs little)
             for c in ranked[k.name]:
-                if len(picked) >= top_k:
+                if len(picked) >= rep.top_k:
                     break
                 cached_row = cached.get((k.workload_hash, c.record.id))
                 if cached_row is not None:
@@ -379,14 +395,6 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                 todo.append((k, t))
             picked_of[k.name] = picked
             progress("transferring", len(picked_of), len(kernels), k.name)
-
-        need = [k for k in kernels if k.name in picked_of and (k.workload_hash, UNTUNED) not in cached]
-        for k, m in zip(need, baseline.measure([k.mod for k in need]) if need else []):
-            row = cached[(k.workload_hash, UNTUNED)] = untuned_row(k, m)
-            append_jsonl(table, row)
-        for k in kernels:
-            if k.name in picked_of:
-                reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
 
         chunk = MEASURE_CHUNK
         for s in range(0, len(todo), chunk):

@@ -272,14 +272,24 @@ def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], dono
     return f
 
 
-def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_s: float,
-                  donor_best_s: float, rank: int) -> dict[str, float]:
-    """All features of one candidate, keyed by :data:`FEATURE_NAMES`."""
+def donor_features(donor: Kernel, trace_json: Any) -> tuple[dict[str, Any], dict[str, float]]:
+    """What depends on the donor record alone: its parsed trace, and its ``d_`` and ``s_``
+    features. Ranking scores one record against many kernels, so callers cache this."""
     trace = parse_trace(trace_json)
-    f = {}
-    f.update(workload_features(target, "t"))
-    f.update(workload_features(donor, "d"))
+    f = workload_features(donor, "d")
     f.update(schedule_features(trace, donor.iter_kinds))
+    return trace, f
+
+
+def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_s: float,
+                  donor_best_s: float, rank: int,
+                  donor_part: tuple[dict[str, Any], dict[str, float]] | None = None,
+                  target_part: dict[str, float] | None = None) -> dict[str, float]:
+    """All features of one candidate, keyed by :data:`FEATURE_NAMES`. ``donor_part`` is
+    :func:`donor_features` and ``target_part`` ``workload_features(target, "t")``, if cached."""
+    trace, df = donor_part or donor_features(donor, trace_json)
+    f = dict(target_part or workload_features(target, "t"))
+    f.update(df)
     f.update(adapted_features(target, trace))
     f.update(relation_features(target, donor, trace, donor_latency_s, donor_best_s, rank))
     return f

@@ -18,7 +18,9 @@ when candidates are measured (:mod:`ttrank.measure`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import sys
 import types
 from dataclasses import dataclass, field
@@ -87,15 +89,15 @@ class Candidate:
 # tile adaptation
 
 
-def _divisors(n: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return tuple(sorted(set(small + [n // d for d in small])))
 
 
+@functools.lru_cache(maxsize=65536)
 def nearest_divisor(n: int, want: int) -> int:
     """The divisor of n closest to ``want`` in ratio (ties: the smaller)."""
-    import math
-
     want = max(1, want)
     return min(_divisors(n), key=lambda d: (abs(math.log(d / want)), d))
 
@@ -106,11 +108,14 @@ def adapt_tiles(factors: list[int], extent: int) -> list[int]:
     Inner factors (register and vector tiles) are kept where they divide what is left, else
     replaced by the nearest divisor; the outermost factor takes the remainder.
     """
-    prod = 1
-    for f in factors:
-        prod *= f
-    if prod == extent:
-        return list(factors)
+    # ranking calls this for every (kernel, donor record) pair: the same few tilings and extents
+    return list(_adapt_tiles(tuple(factors), extent))
+
+
+@functools.lru_cache(maxsize=65536)
+def _adapt_tiles(factors: tuple[int, ...], extent: int) -> tuple[int, ...]:
+    if math.prod(factors) == extent:
+        return factors
     new = [1] * len(factors)
     rest = extent
     for i in range(len(factors) - 1, 0, -1):
@@ -118,7 +123,7 @@ def adapt_tiles(factors: list[int], extent: int) -> list[int]:
         new[i] = d
         rest //= d
     new[0] = rest
-    return new
+    return tuple(new)
 
 
 def _strip_postproc(trace):

@@ -538,3 +538,14 @@ def export(name: str, path: str | Path, dynamic: bool = False) -> Path:
     path = Path(path)
     atomic_write_bytes(path, build(name, dynamic).SerializeToString())
     return path
+
+
+def cached(name: str) -> Path:
+    """The zoo network's ONNX file in the user cache, exported on first use."""
+    from .util import cache_dir
+
+    get(name)
+    path = cache_dir() / "zoo" / f"{name}.onnx"
+    if not path.exists():
+        export(name, path)
+    return path
