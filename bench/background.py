@@ -42,10 +42,10 @@ def run(cmd: list[str], deadline: float) -> int:
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
-def commit(message: str, enabled: bool) -> None:
+def commit(message: str, enabled: bool, extra: list[str] | None = None) -> None:
     if not enabled:
         return
-    paths = ["datasets", "bench/results"]
+    paths = ["datasets", "bench/results", *(extra or [])]
     for _ in range(5):  # someone else may hold the index lock for a moment
         if subprocess.call(["git", "add", *paths], cwd=ROOT) == 0:
             break
@@ -85,7 +85,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--commit", action="store_true", help="git-commit datasets/ after each step")
-    ap.add_argument("--steps", nargs="+", default=["donors", "collect", "long", "evaluate"])
+    ap.add_argument("--steps", nargs="+", default=["donors", "recommend", "collect", "long", "evaluate"])
     args = ap.parse_args()
     import psutil
 
@@ -106,12 +106,24 @@ def main() -> int:
     if not donors_complete(ORDER):
         print("donors incomplete; later steps wait for them", flush=True)
         return 0
+    if "recommend" in args.steps:
+        # the product on every network, with all donors (each run is skipped once current)
+        if run([py, "bench/recommend_bench.py", "--network", "resnet50", "--skip-if-current"], deadline) < 0:
+            return 0
+        commit("recommend benchmark: resnet50", args.commit)
+        if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
+            return 0
+        commit("recommend on every zoo network", args.commit)
     if "collect" in args.steps:
         for net in ORDER:
             if run(["ttrank", "collect", net, "--max-per-kernel", "24", "--budget-minutes", "{left}",
                     "--quiet"], deadline) < 0:
                 return 0
             commit(f"Cross-measurements: {net}", args.commit)
+        # retrain on everything collected, and regenerate the evaluation report
+        if run([py, "train.py", "--skip-if-current"], deadline) == 0 and \
+                run([py, "bench/ranker_eval.py"], deadline) >= 0:
+            commit("Ranker retrained on all cross-measurements", args.commit, extra=["models"])
     if "long" in args.steps:
         for net in LONG:
             work = prepare_long(net)

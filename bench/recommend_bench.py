@@ -138,6 +138,27 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
                         for n in w}}
 
 
+def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False
+                  ) -> tuple[dict, float, int, list[str]]:
+    """``ttrank recommend zoo:NET --leave-one-out`` as a user runs it, with a fresh data dir in
+    ``tmp``: (the --json report, wall seconds, processes paused, the command)."""
+    rep_path = tmp / "report.json"
+    cmd = ["ttrank", "recommend", f"zoo:{net}", "--leave-one-out", "--no-progress",
+           "--data-dir", str(tmp / "data"), "-o", str(tmp / f"{net}.so"), "--json", str(rep_path)]
+    if top_k:
+        cmd += ["--top-k", str(top_k)]
+    # the zoo model is exported before the clock starts: a user already has their file
+    subprocess.run(["ttrank", "zoo", "export", net, str(tmp / "warm.onnx")], check=True, capture_output=True)
+    with paused_background(pause) as paused:
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.time() - t0
+    print(proc.stdout[-4000:])
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(rep_path.read_text()), wall, paused, cmd
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--network", default="resnet50")
@@ -145,30 +166,27 @@ def main() -> int:
     ap.add_argument("--pause-background", action="store_true",
                     help="pause background tuning/collection during the run (2 cores)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-if-current", action="store_true",
+                    help="do nothing if the result was measured with the donor networks there are now")
     args = ap.parse_args()
     net = args.network
+    from ttrank.donors import DonorStore
     from ttrank.target import provenance
     from ttrank.util import atomic_write_json
 
+    path = Path(args.out) if args.out else RESULTS / f"recommend_{net}.json"
+    available = sorted(n for n in DonorStore.load().networks if n != net)
+    if args.skip_if_current and path.exists() and \
+            json.loads(path.read_text()).get("donor_networks_available") == available:
+        print(f"{path} is current (donors: {', '.join(available)})")
+        return 0
+
     with tempfile.TemporaryDirectory(prefix="ttrank-bench-") as tmp:
-        rep_path = Path(tmp) / "report.json"
-        cmd = ["ttrank", "recommend", f"zoo:{net}", "--leave-one-out", "--no-progress",
-               "--data-dir", str(Path(tmp) / "data"), "-o", str(Path(tmp) / f"{net}.so"),
-               "--json", str(rep_path)]
-        if args.top_k:
-            cmd += ["--top-k", str(args.top_k)]
-        # the zoo model is exported before the clock starts: a user already has their file
-        subprocess.run(["ttrank", "zoo", "export", net, str(Path(tmp) / "warm.onnx")],
-                       check=True, capture_output=True)
-        with paused_background(args.pause_background) as paused:
-            t0 = time.time()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            wall = time.time() - t0
-        print(proc.stdout[-4000:])
-        if proc.returncode != 0:
-            print(proc.stderr[-2000:], file=sys.stderr)
-            return proc.returncode
-        report = json.loads(rep_path.read_text())
+        try:
+            report, wall, paused, cmd = run_recommend(net, Path(tmp), args.top_k, args.pause_background)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         ms = side_by_side(net, Path(report["database"]), args.pause_background)
     lat = report["model_latency_ms"]
     match = (ms.get("seconds_to_match") or {}).get("oracle")
@@ -182,6 +200,7 @@ def main() -> int:
         "kernels": len(report["kernels"]),
         "kernels_tuned": sum(1 for k in report["kernels"] if k["status"] != "untuned"),
         "donor_networks": sorted({k["chosen"]["donor_network"] for k in report["kernels"] if k.get("chosen")}),
+        "donor_networks_available": available,
         "metaschedule_seconds_to_match": match,
         "metaschedule_seconds_to_match_as_run": (ms.get("seconds_to_match") or {}).get("as_run"),
         "metaschedule_time_ratio": (match / wall) if match else None,
@@ -200,7 +219,6 @@ def main() -> int:
                 "possible split of its search time among kernels; None means its logged run never "
                 "reached ttrank's latency.",
     }
-    path = Path(args.out) if args.out else RESULTS / f"recommend_{net}.json"
     atomic_write_json(path, out)
     print(json.dumps({k: v for k, v in out.items() if k not in ("metaschedule", "model_latency_ms")},
                      indent=1))

@@ -1,0 +1,116 @@
+"""`ttrank recommend` on every zoo network, leave-one-out: does it work everywhere, and how well.
+
+    python bench/recommend_zoo.py [--networks N ...] [--budget-minutes M] [--pause-background] [--force]
+
+Each network runs as a user would run it (bench/recommend_bench.run_recommend: the CLI, a fresh
+data dir, the network's own schedules and measurements left out of the candidates and the
+ranker). A run passes when the compiled model's outputs match onnxruntime (recommend exits
+non-zero otherwise). Results are kept per network in bench/results/recommend_zoo.json, so the
+command resumes; a network is rerun when the donor networks available to it changed.
+Writes recommend_zoo.md beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from recommend_bench import RESULTS, run_recommend  # noqa: E402
+
+OUT = RESULTS / "recommend_zoo.json"
+
+
+def summarize(net: str, report: dict, wall: float, donors: list[str], paused: int) -> dict:
+    from ttrank.target import provenance
+
+    lat = report["model_latency_ms"]
+    ks = report["kernels"]
+    return {
+        "network": net, "donor_networks": donors, "recommend_seconds": round(wall, 1),
+        "kernels": len(ks), "kernels_tuned": sum(1 for k in ks if k["status"] != "untuned"),
+        "kernels_without_donor": sum(1 for k in ks if k["why"] == "no compatible donor schedule"),
+        "model_latency_ms": lat, "speedup_vs_untuned": lat["untuned"] / lat["tuned"],
+        "latency_vs_onnxruntime": (lat["tuned"] / lat["onnxruntime"]) if lat.get("onnxruntime") else None,
+        "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
+        "search_seconds": report["search_seconds"], "background_paused": paused,
+        "chosen_from": sorted({k["chosen"]["donor_network"] for k in ks if k.get("chosen")}),
+        "provenance": provenance(),
+    }
+
+
+def write_table(results: dict) -> None:
+    from ttrank.util import atomic_write_text
+
+    lines = ["# `ttrank recommend` on the zoo, leave-one-out", "",
+             "Each row: `ttrank recommend zoo:NET --leave-one-out` with a fresh data dir; outputs checked "
+             "against onnxruntime. Latencies are whole-model, measured by the run itself.", "",
+             "| network | donor networks | kernels tuned | untuned ms | ttrank ms | speedup | onnxruntime ms "
+             "| ttrank / ORT | max abs error | recommend s | paused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for net in sorted(results):
+        r = results[net]
+        if "error" in r:
+            lines.append(f"| {net} | {len(r.get('donor_networks', []))} | failed: {r['error'][:80]} |"
+                         + " |" * 8)
+            continue
+        lat = r["model_latency_ms"]
+        ort = r["latency_vs_onnxruntime"]
+        lines.append(f"| {net} | {len(r['donor_networks'])} | {r['kernels_tuned']}/{r['kernels']} | "
+                     f"{lat['untuned']:.1f} | {lat['tuned']:.2f} | {r['speedup_vs_untuned']:.1f}x | "
+                     f"{lat.get('onnxruntime') or float('nan'):.2f} | "
+                     f"{'-' if ort is None else f'{ort:.2f}'} | {r['max_abs_error_vs_onnxruntime']:.1e} | "
+                     f"{r['recommend_seconds']:.0f} | {'yes' if r['background_paused'] else 'no'} |")
+    lines += ["", "paused: whether background tuning was paused during the run (2 cores; an unpaused run "
+              "shares them, so its latencies and wall time are noisier)."]
+    atomic_write_text(OUT.with_suffix(".md"), "\n".join(lines) + "\n")
+
+
+def main() -> int:
+    from ttrank.donors import DonorStore
+    from ttrank.util import atomic_write_json
+    from ttrank.zoo import ZOO
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--networks", nargs="+", default=[n for n, e in ZOO.items() if not e.tiny])
+    ap.add_argument("--budget-minutes", type=float, default=None, help="start no network after this")
+    ap.add_argument("--pause-background", action="store_true")
+    ap.add_argument("--force", action="store_true", help="rerun networks that already have a result")
+    args = ap.parse_args()
+
+    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    store_networks = DonorStore.load().networks
+    deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+    failed = 0
+    for net in args.networks:
+        donors = sorted(n for n in store_networks if n != net)
+        old = results.get(net)
+        if old and not args.force and old.get("donor_networks") == donors and "error" not in old:
+            print(f"{net}: done earlier with the same donors")
+            continue
+        if deadline and time.time() > deadline:
+            print("budget spent; rerun to continue")
+            break
+        print(f"{net}: recommend with donors {', '.join(donors)}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="ttrank-zoo-") as tmp:
+            try:
+                report, wall, paused, _ = run_recommend(net, Path(tmp), pause=args.pause_background)
+                results[net] = summarize(net, report, wall, donors, paused)
+            except RuntimeError as e:
+                failed += 1
+                results[net] = {"network": net, "donor_networks": donors, "error": str(e)[-1500:]}
+        atomic_write_json(OUT, results)
+        write_table(results)
+    write_table(results)
+    print(OUT.with_suffix(".md").read_text())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
