@@ -69,6 +69,42 @@ def test_compile_matches_onnxruntime(tiny_bert, tmp_path):
     assert res.ok and res.max_abs_error < 1e-4
 
 
+def _swish_erf_model(path):
+    """Conv -> swish (x * sigmoid(x)) -> erf: the epilogues of EfficientNet and BERT."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(16, 8, 1, 1)).astype("float32"), "w")
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Sigmoid", ["c"], ["s"]),
+         helper.make_node("Mul", ["c", "s"], ["m"]), helper.make_node("Erf", ["m"], ["y"])],
+        "swish_erf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 16, 16])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_fast_math_replaces_transcendentals_and_still_matches(tmp_path):
+    import re
+
+    from tvm import relax
+
+    from ttrank.target import make_target
+
+    path = _swish_erf_model(tmp_path / "swish.onnx")
+
+    def calls(mod):
+        return set(re.findall(r"T\.(exp|sigmoid|erf)\(", relax.transform.LegalizeOps()(mod).script()))
+
+    exact, fast = frontend.load(path), frontend.load(path, fast_math=True)
+    assert calls(exact.mod) == {"sigmoid", "erf"}
+    assert calls(fast.mod) == set() and fast.fast_math
+    assert calls(frontend.with_fast_math(exact.mod)) == set()
+    assert calls(exact.mod) == {"sigmoid", "erf"}  # the caller's module is left as it was
+    out = engine.export(engine.compile_model(fast, make_target()), tmp_path / "fast.so")
+    res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, fast), fast)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def test_compile_cli_writes_library(tiny_cnn, tmp_path, capsys):
     assert main(["compile", str(tiny_cnn), "-o", str(tmp_path / "cnn.so")]) == 0
     assert (tmp_path / "cnn.so").stat().st_size > 0

@@ -7,16 +7,16 @@ from .errors import TTRankError  # noqa: E402
 from .transfer import Candidate  # noqa: E402
 
 
-def load(path, input_shapes=None):
+def load(path, input_shapes=None, fast_math: bool = False):
     """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:
-    {name: [dims]} for dynamic inputs)."""
+    {name: [dims]} for dynamic inputs; ``fast_math``: :func:`ttrank.frontend.with_fast_math`)."""
     from .frontend import load as _load
 
     if isinstance(path, str) and path.startswith("zoo:"):
         from .zoo import cached
 
         path = cached(path[4:])
-    return _load(path, input_shapes)
+    return _load(path, input_shapes, fast_math=fast_math)
 
 
 def _as_model(model, input_shapes=None):

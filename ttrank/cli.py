@@ -41,13 +41,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="bind an input's dims (repeatable), e.g. input:1,3,224,224")
     p.add_argument("--target", default=None,
                    help="TVM target as a JSON dict (default: detected from this host)")
+    p.add_argument("--fast-math", action="store_true",
+                   help="vectorisable approximations of exp/sigmoid/erf/tanh/GELU (error ~1e-6; "
+                        "much faster swish and GELU epilogues)")
 
 
-def load_model_arg(spec: str, input_shapes: list[str]):
+def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False):
     """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached)."""
     from . import frontend, load
 
-    return load(spec, frontend.parse_input_shapes(input_shapes))
+    return load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,7 +79,7 @@ def cmd_kernels(args) -> int:
     from . import kernels
     from .target import make_target
 
-    model = load_model_arg(args.model, args.input_shape)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math)
     ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
     if args.json:
         print(json.dumps([k.to_json() for k in ks], indent=1))
@@ -112,7 +115,7 @@ def cmd_compile(args) -> int:
     from .target import make_target
 
     con = _console()
-    model = load_model_arg(args.model, args.input_shape)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math)
     target = make_target(args.target)
     database = None
     if args.database:
@@ -148,7 +151,7 @@ def cmd_tune(args) -> int:
     from .target import make_target
 
     con = _console()
-    model = load_model_arg(args.model, args.input_shape)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math)
     target = make_target(args.target)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -279,7 +282,7 @@ def cmd_recommend(args) -> int:
     from .target import make_target
 
     con = _console()
-    model = load_model_arg(args.model, args.input_shape)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math)
     target = make_target(args.target)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)

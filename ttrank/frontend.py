@@ -38,6 +38,7 @@ class LoadedModel:
     mod: object  # tvm.IRModule
     params: dict = field(default_factory=dict)
     simplified: bool = False
+    fast_math: bool = False
 
     @property
     def name(self) -> str:
@@ -164,10 +165,11 @@ def _import(model: onnx.ModelProto, specs: list[InputSpec]):
 
 
 def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
-         simplify_graph: str = "auto") -> LoadedModel:
+         simplify_graph: str = "auto", fast_math: bool = False) -> LoadedModel:
     """Load an ONNX file into Relax.
 
     ``simplify_graph``: "auto" simplifies only when the plain import fails; "always"/"never".
+    ``fast_math``: see :func:`with_fast_math`.
     """
     model = read_onnx(path)
     specs = bind_input_shapes(model, input_shapes or {})
@@ -191,8 +193,45 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
         except Exception as second:
             raise ModelLoadError(f"{path}: TVM's ONNX importer failed, also after graph "
                                  f"simplification: {_short(second)}") from None
+    if fast_math:
+        mod = with_fast_math(mod)
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), model, specs, mod, {}, simplified)
+    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math)
+
+
+def with_fast_math(mod):
+    """Vectorisable approximations of the transcendental activations (max error ~1e-6).
+
+    TVM lowers ``exp``/``erf``/``tanh`` to scalar libm calls on CPU: a swish or GELU epilogue
+    then costs more than the convolution or matmul it follows (EfficientNet, BERT). Sigmoid and
+    GELU are rewritten in terms of exp and erf, and TVM's FastMathTransform replaces those
+    with polynomial versions (topi.fast_exp/fast_erf/fast_tanh), as onnxruntime's MLAS does.
+    """
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class _Activations(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if not isinstance(call.op, tvm.ir.Op) or not call.args:
+                return call
+            x = call.args[0]
+            if call.op.name == "relax.sigmoid":
+                one = relax.const(1.0, x.ty.dtype)
+                return relax.op.divide(one, relax.op.add(one, relax.op.exp(relax.op.negative(x))))
+            if call.op.name == "relax.nn.gelu":
+                dt = x.ty.dtype
+                half, one = relax.const(0.5, dt), relax.const(1.0, dt)
+                inner = relax.op.erf(relax.op.multiply(x, relax.const(0.7071067811865476, dt)))
+                return relax.op.multiply(relax.op.multiply(half, x), relax.op.add(one, inner))
+            return call
+
+    mod = mod.clone()  # the caller's module stays as it was
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = _Activations().visit_expr(func)
+    return relax.transform.FastMathTransform()(mod)
 
 
 def _short(e: Exception) -> str:
