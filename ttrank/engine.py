@@ -526,7 +526,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                    "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
                    "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                    "total": round(time.time() - t_start, 2)},
-                  str(target), compiled, provenance(target))
+                  str(target), compiled, {**provenance(target), "fast_math": model.fast_math,
+                                          "top_k": top_k, "minor_share": minor_share})
 
 
 def write_database(db_dir: Path, kernels, chosen: dict, target, reports=None, extra_db=None):
