@@ -418,13 +418,13 @@ def cmd_collect(args) -> int:
     from . import collect as coll
     from .donors import DonorStore
     from .evaluate import PAPER_PAIRING
-    from .measure import Measurer
+    from .measure import Measurer, RunnerSpec
     from .target import make_target
 
     con = _console()
     target = make_target(args.target)
     store = DonorStore.load(args.donors or None, target=target)
-    measurer = Measurer(target)
+    measurer = Measurer(target, RunnerSpec(repeat=args.repeat))
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
     try:
         for net in args.networks:
@@ -565,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--budget-minutes", type=float, default=None)
     co.add_argument("--max-per-kernel", type=int, default=40)
     co.add_argument("--records-per-donor", type=int, default=2)
+    co.add_argument("--repeat", type=int, default=10,
+                    help="timed repeats per candidate, the minimum kept (default 10: these are the "
+                         "ranker's labels, and on a shared 2-core machine a parallel kernel runs 2x "
+                         "slow for stretches, so the minimum of 3 is not stable)")
     co.add_argument("--target", default=None)
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")

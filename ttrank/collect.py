@@ -130,6 +130,9 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     done = {measurement_key(r) for r in load_rows(table)}
     untuned = {r["workload"]: r["latency_s"] for r in load_rows(table) if r["record"] == UNTUNED}
     prov = compact_provenance(provenance(target))
+    spec = getattr(measurer, "spec", None)
+    if spec is not None:  # how each latency was taken: the minimum of `repeat` timed runs
+        prov["runner"] = {"number": spec.number, "repeat": spec.repeat, "min_repeat_ms": spec.min_repeat_ms}
     stats = CollectStats(network, len(kernels))
     t0 = time.time()
     exclude = {network} if exclude_self else set()

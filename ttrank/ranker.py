@@ -32,7 +32,8 @@ class Ranker:
 
     def __init__(self, objective: str = "rank:pairwise", n_estimators: int = 300,
                  max_depth: int = 6, learning_rate: float = 0.05, subsample: float = 0.9,
-                 colsample_bytree: float = 0.9, seed: int = 0, n_jobs: int = 1,
+                 colsample_bytree: float = 0.9, min_child_weight: float = 1.0, seed: int = 0,
+                 n_jobs: int = 1,
                  feature_groups: tuple[str, ...] = FEATURE_GROUPS):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}")
@@ -42,6 +43,7 @@ class Ranker:
         self.learning_rate = learning_rate
         self.subsample = subsample
         self.colsample_bytree = colsample_bytree
+        self.min_child_weight = min_child_weight
         self.seed = seed
         # one thread by default: the data is small, and on a busy machine OpenMP threads spin
         # waiting for each other (minutes instead of seconds)
@@ -53,7 +55,8 @@ class Ranker:
 
     def get_params(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("objective", "n_estimators", "max_depth",
-                                              "learning_rate", "subsample", "colsample_bytree", "seed", "n_jobs",
+                                              "learning_rate", "subsample", "colsample_bytree", "min_child_weight",
+                                              "seed", "n_jobs",
                                               "feature_groups")}
 
     @property
@@ -70,7 +73,8 @@ class Ranker:
                               f"{len(FEATURE_NAMES)}")
         params = {"objective": self.objective, "max_depth": self.max_depth,
                   "eta": self.learning_rate, "subsample": self.subsample,
-                  "colsample_bytree": self.colsample_bytree, "seed": self.seed,
+                  "colsample_bytree": self.colsample_bytree, "min_child_weight": self.min_child_weight,
+                  "seed": self.seed,
                   "nthread": self.n_jobs, "verbosity": 0}
         if self.objective.startswith("rank:"):
             params["lambdarank_pair_method"] = "topk" if self.objective == "rank:ndcg" else "mean"
