@@ -146,6 +146,9 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     tuned = [k for k in r["kernels"] if k["status"] == "tuned"]
     assert tuned and all(k["chosen"]["latency_s"] < k["untuned_s"] for k in tuned)
     assert any(k["why"] == "no compatible donor schedule" for k in r["kernels"])
+    # every kernel's untuned latency is known, donor or not, so the model's untuned time is too
+    assert all(k["untuned_s"] for k in r["kernels"])
+    assert r["model_latency_ms"]["untuned_source"] == "measured"
     # measuring effort follows each kernel's share of the untuned model time
     total = sum(k["weight"] * (k["untuned_s"] or 0) for k in r["kernels"])
     for k in r["kernels"]:

@@ -77,12 +77,24 @@ class CompiledModel:
         out = self.vm["main"](*self._args(feed))
         return [o.numpy() for o in out] if not hasattr(out, "numpy") else [out.numpy()]
 
-    def time_ms(self, feed: dict[str, np.ndarray], repeat: int = 5, min_repeat_ms: int = 200) -> float:
-        """Minimum over repeats of the mean latency (ms), with time_evaluator."""
+    def time_ms(self, feed: dict[str, np.ndarray], repeat: int = 5, min_repeat_ms: int = 200,
+                budget_s: float = 20.0) -> float:
+        """Minimum over repeats of the mean latency (ms), with time_evaluator. A first run gauges
+        the model: a slow one (an untuned transformer takes minutes) gets fewer repeats, so
+        timing stays near ``budget_s``."""
         self.vm.set_input("main", *self._args(feed))
+        t0 = time.perf_counter()
+        self.vm.invoke_stateful("main")
+        first = time.perf_counter() - t0
+        if repeat <= 1 and first > 1.0:  # seconds per run: warm-up effects are lost in it
+            return 1e3 * first
+        if first * repeat > budget_s:
+            if first * 2 > budget_s:
+                return 1e3 * first
+            repeat, min_repeat_ms = max(1, int(budget_s / first) - 1), 0
         f = self.vm.time_evaluator("invoke_stateful", self.dev, number=1, repeat=repeat,
                                    min_repeat_ms=min_repeat_ms)
-        return 1e3 * min(f("main").results)
+        return 1e3 * min(min(f("main").results), first)
 
 
 def onnxruntime_session(model: LoadedModel, threads: int | None = None):
@@ -358,14 +370,14 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                 "target_key": tkey}
 
     try:
-        # the untuned kernels first: their share of the model decides how many candidates each gets
-        need = [k for k in kernels if ranked[k.name] and (k.workload_hash, UNTUNED) not in cached]
+        # every untuned kernel first (once each): their shares of the model decide how many
+        # candidates each kernel gets, and their sum how the whole model can be timed
+        need = [k for k in kernels if (k.workload_hash, UNTUNED) not in cached]
         for k, m in zip(need, baseline.measure([k.mod for k in need]) if need else []):
             row = cached[(k.workload_hash, UNTUNED)] = untuned_row(k, m)
             append_jsonl(table, row)
         for k in kernels:
-            if ranked[k.name]:
-                reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
+            reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
         total = sum(k.weight * (reports[k.name].untuned_s or 0.0) for k in kernels)
 
         todo: list[tuple[object, object]] = []  # (kernel, transferred candidate) to measure
@@ -509,8 +521,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         feed = model.random_inputs()
         lat["untuned_estimated_from_kernels"] = 1e3 * sum(
             r.weight * r.untuned_s for r in reports.values() if r.untuned_s)
+        complete = all(r.untuned_s for r in reports.values())
         # the whole untuned model is timed once when that is cheap; else the kernel sum stands in
-        if lat["untuned_estimated_from_kernels"] <= 1e3 * untuned_run_limit_s:
+        if complete and lat["untuned_estimated_from_kernels"] <= 1e3 * untuned_run_limit_s:
             progress("timing", 0, 1, "untuned model")
             lat["untuned"] = CompiledModel.from_executable(compile_model(model, target), model).time_ms(
                 feed, repeat=1, min_repeat_ms=0)
