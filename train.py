@@ -32,8 +32,8 @@ def main() -> int:
     from ttrank.ranker import Ranker
 
     store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
+    ds = build_dataset(dirs or training.default_measurement_dirs(), store)
     if args.skip_if_current:
-        ds = build_dataset(dirs or training.default_measurement_dirs(), store)
         try:
             current = Ranker.load(args.out).metadata.get("training_data_hash")
         except TTRankError:
@@ -41,7 +41,7 @@ def main() -> int:
         if current == training.data_hash(ds):
             print(f"{args.out} was trained on this data already")
             return 3
-    report = training.train(dirs, store, out=args.out, n_estimators=args.trees)
+    report = training.train(dirs, store, out=args.out, n_estimators=args.trees, ds=ds)
     print(json.dumps({k: v for k, v in report.items() if k != "configs"}, indent=1))
     for label, r in report.get("configs", {}).items():
         print(label, json.dumps({k: round(v, 3) for k, v in r["average"].items()}))

@@ -73,14 +73,15 @@ def select_config(ds: Dataset, configs: list[dict], n_estimators: int = 300,
 
 def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None = None,
           out: str | Path = DEFAULT_MODEL, objectives: tuple[str, ...] = OBJECTIVES,
-          n_estimators: int = 300) -> dict:
-    """Train and save the ranker; returns the evaluation report."""
+          n_estimators: int = 300, ds: Dataset | None = None) -> dict:
+    """Train and save the ranker; returns the evaluation report. ``ds``: the dataset, if the
+    caller already built it from the same dirs and store."""
     from .errors import TTRankError
     from .target import provenance
 
     store = store or DonorStore.load()
     dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
-    ds = build_dataset(dirs, store)
+    ds = ds if ds is not None else build_dataset(dirs, store)
     if not ds.groups:
         raise TTRankError("no training data: no measurement table with at least two measured "
                           "candidates per kernel (collect some: ttrank collect NETWORK)")
