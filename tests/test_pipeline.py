@@ -60,6 +60,21 @@ def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):
                                            "run_error", "timeout"}
 
 
+def test_rows_from_another_cpu_are_measured_again(measurements, donor_dir, tiny_cnn, target, tmp_path):
+    # the same table, as if collected on another CPU: nothing in it counts as done here
+    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["provenance"] = {**r["provenance"], "mcpu": "other-cpu"}
+    (tmp_path / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, tmp_path)
+    assert stats.measured > 0 and stats.skipped_existing == 0
+    # and the two CPUs' latencies rank in separate groups
+    store = donors.DonorStore.load([donor_dir])
+    both = collect.build_dataset([tmp_path], store)
+    one = collect.build_dataset([measurements], store)
+    assert len(both.groups) == 2 * len(one.groups)
+
+
 def test_paper_baseline_rows_are_kept_apart(measurements, donor_dir):
     rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
     paper = [r for r in rows if r.get("pool") == "paper"]

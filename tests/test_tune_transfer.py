@@ -128,6 +128,9 @@ def test_transfer_and_measure_onto_other_shapes_and_epilogues(donor_dir, tiny_cn
             assert base.ok
             # every transferred kernel computes what the untuned one computes
             assert all(r.status == "ok" for r in res), [r.error for r in res]
+            # each latency is the minimum over the repeats of every interleaved pass
+            assert all(len(r.all_secs) == m.spec.rounds * m.spec.repeat for r in res)
+            assert all(r.latency_s == min(r.all_secs) for r in res)
         assert counts["valid"] > 0
         # a 3x3 conv with a residual epilogue receives schedules tuned on a plain conv+add+relu
         resid = next(k for k in ks if k.workload_class == "conv2d_nchw+add+add+relu")

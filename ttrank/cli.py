@@ -424,7 +424,7 @@ def cmd_collect(args) -> int:
     con = _console()
     target = make_target(args.target)
     store = DonorStore.load(args.donors or None, target=target)
-    measurer = Measurer(target, RunnerSpec(repeat=args.repeat))
+    measurer = Measurer(target, RunnerSpec(repeat=max(1, args.repeat // args.rounds), rounds=args.rounds))
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
     try:
         for net in args.networks:
@@ -566,9 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--max-per-kernel", type=int, default=40)
     co.add_argument("--records-per-donor", type=int, default=2)
     co.add_argument("--repeat", type=int, default=10,
-                    help="timed repeats per candidate, the minimum kept (default 10: these are the "
-                         "ranker's labels, and on a shared 2-core machine a parallel kernel runs 2x "
-                         "slow for stretches, so the minimum of 3 is not stable)")
+                    help="timed repeats per candidate in all, the minimum kept (default 10: these "
+                         "are the ranker's labels)")
+    co.add_argument("--rounds", type=int, default=5,
+                    help="passes over each batch, in shuffled order, that the repeats are spread "
+                         "over (default 5). On a shared machine a parallel kernel runs 2x slow for "
+                         "stretches of seconds; back-to-back repeats of one candidate can all land "
+                         "in one (bench/results/measure_noise.json)")
     co.add_argument("--target", default=None)
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")

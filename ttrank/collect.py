@@ -76,6 +76,11 @@ def sample_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
     return (best + rest)[:max_per_kernel]
 
 
+def same_cpu(row: dict, prov: dict) -> bool:
+    p = row.get("provenance") or {}
+    return (p.get("mcpu"), p.get("cores")) == (prov.get("mcpu"), prov.get("cores"))
+
+
 def compact_provenance(prov: dict) -> dict:
     return {k: prov[k] for k in ("cpu", "mcpu", "cores", "tvm", "date") if k in prov}
 
@@ -127,12 +132,14 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     table = out_dir / f"{network}.jsonl"
     kernels = [k for k in extract(model.mod, target) if k.tunable]
     atomic_write_json(out_dir / "kernels" / f"{network}.json", [k.to_json() for k in kernels])
-    done = {measurement_key(r) for r in load_rows(table)}
-    untuned = {r["workload"]: r["latency_s"] for r in load_rows(table) if r["record"] == UNTUNED}
     prov = compact_provenance(provenance(target))
     spec = getattr(measurer, "spec", None)
-    if spec is not None:  # how each latency was taken: the minimum of `repeat` timed runs
-        prov["runner"] = {"number": spec.number, "repeat": spec.repeat, "min_repeat_ms": spec.min_repeat_ms}
+    if spec is not None:  # how each latency was taken
+        prov["runner"] = spec.protocol()
+    # rows measured on another CPU do not count as done here: this CPU gets its own
+    mine = [r for r in load_rows(table) if same_cpu(r, prov)]
+    done = {measurement_key(r) for r in mine}
+    untuned = {r["workload"]: r["latency_s"] for r in mine if r["record"] == UNTUNED}
     stats = CollectStats(network, len(kernels))
     t0 = time.time()
     exclude = {network} if exclude_self else set()
@@ -223,13 +230,15 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
             if not kfile.exists():
                 continue
             kernels = kernels_of(kfile)
-            by_kernel: dict[str, dict[str, dict]] = {}
+            # one group per kernel and CPU: latencies from different CPUs never share a ranking
+            by_kernel: dict[tuple[str, str], dict[str, dict]] = {}
             for row in read_jsonl(table):
                 if row.get("record") == UNTUNED or row["workload"] not in kernels \
                         or (row.get("adapt") or "ttrank") != "ttrank":
                     continue
-                by_kernel.setdefault(row["workload"], {})[row["record"]] = row  # last wins
-            for wh, rows in by_kernel.items():
+                cpu = (row.get("provenance") or {}).get("mcpu", "")
+                by_kernel.setdefault((row["workload"], cpu), {})[row["record"]] = row  # last wins
+            for (wh, _cpu), rows in by_kernel.items():
                 usable = [r for r in rows.values() if r["record"] in rec_of]
                 if len(usable) < min_group:
                     continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -229,11 +230,16 @@ class RunnerSpec:
     tracker_port: int | None = None
     device_key: str | None = None
     number: int = 3
-    repeat: int = 3
+    repeat: int = 1
     min_repeat_ms: int = 50
     # off, as in MetaSchedule's tuning runs, so donor records and candidates compare directly
     cache_flush: bool = False
     timeout_sec: float = 30.0
+    # Passes over the whole batch, each in a new shuffled order; a candidate's latency is the
+    # minimum over all passes. On a shared machine the CPU runs in slow stretches of seconds,
+    # longer than one candidate's repeats: passes spread each candidate across the batch's
+    # time, so the candidates of one kernel are compared side by side, not one after another.
+    rounds: int = 3
 
     @classmethod
     def from_tracker(cls, tracker: str, key: str, **kw) -> RunnerSpec:
@@ -261,6 +267,11 @@ class RunnerSpec:
             return RPCRunner(rpc_config=cfg, evaluator_config=self.evaluator_config(),
                              max_workers=1)
         raise ValueError(f"unknown runner kind {self.kind!r}")
+
+    def protocol(self) -> dict[str, int]:
+        """What a latency is the minimum of, for the provenance of each measurement."""
+        return {"number": self.number, "repeat": self.repeat, "rounds": self.rounds,
+                "min_repeat_ms": self.min_repeat_ms}
 
     def describe(self) -> str:
         if self.kind == "rpc":
@@ -341,15 +352,29 @@ class Measurer:
             paths.append(value)
         t1 = time.time()
         self.seconds["build"] += t1 - t0
-        futures = self.runner.run(inputs) if inputs else []
-        for i, fut in zip(idx, futures):
-            r = fut.result()
-            if r.error_msg:
-                status = "timeout" if "Timeout" in r.error_msg or "timeout" in r.error_msg else "run_error"
-                out[i] = Measurement(None, status, _last_line(r.error_msg))
+        secs: dict[int, list[float]] = {i: [] for i in idx}
+        errors: dict[int, str] = {}
+        order = list(range(len(inputs)))
+        rng = random.Random(len(inputs))
+        for rnd in range(max(1, self.spec.rounds)):
+            live = [j for j in order if idx[j] not in errors]
+            if not live:
+                break
+            for j, fut in zip(live, self.runner.run([inputs[j] for j in live])):
+                r = fut.result()
+                if r.error_msg:
+                    errors[idx[j]] = r.error_msg
+                else:
+                    secs[idx[j]] += [float(s) for s in r.run_secs]
+            rng.shuffle(order)
+        for i in idx:
+            msg = errors.get(i)
+            is_timeout = msg is not None and ("Timeout" in msg or "timeout" in msg)
+            # a later pass that times out under load does not undo the passes that finished
+            if secs[i] and (msg is None or is_timeout):
+                out[i] = Measurement(min(secs[i]), "ok", "", secs[i])
             else:
-                secs = [float(s) for s in r.run_secs]
-                out[i] = Measurement(min(secs), "ok", "", secs)
+                out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""))
         for p in paths:
             _rm(p)
         self.seconds["run"] += time.time() - t1
@@ -358,7 +383,8 @@ class Measurer:
     def baseline(self) -> Measurer:
         """A measurer sharing this builder that runs once: for slow untuned kernels, where
         one run is long enough to time and repeats would cost seconds each."""
-        spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0})
+        spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0,
+                             "rounds": 1})
         m = Measurer(self.target, spec, builder=self.builder)
         m.seconds = self.seconds  # one account for both
         return m
