@@ -5,10 +5,12 @@ what finishes.
 
 Steps (each resumes where the last session stopped; a finished step is skipped quickly):
   1. donors    the 11 zoo networks tuned at 64 trials per task   (bench/tune_donors.py)
-  2. collect   cross-measurements, every network as target       (ttrank collect)
-  3. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
+  2. recommend `recommend --leave-one-out` on ResNet-50 and every zoo network
+  3. collect   cross-measurements, every network as target       (ttrank collect), then
+               retraining, bench/ranker_eval.py and bench/program_features.py
+  4. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
                continuing each network's 64-trial donor run in datasets/metaschedule_long/
-  4. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
+  5. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
 Run one copy at a time (it refuses to start when another is running).
 """
 
@@ -124,6 +126,9 @@ def main() -> int:
         if run([py, "train.py", "--skip-if-current"], deadline) == 0 and \
                 run([py, "bench/ranker_eval.py"], deadline) >= 0:
             commit("Ranker retrained on all cross-measurements", args.commit, extra=["models"])
+            # does MetaSchedule's per-store program feature help? (answer in bench/results)
+            if run([py, "bench/program_features.py"], deadline) >= 0:
+                commit("Program-feature evaluation", args.commit)
     if "long" in args.steps:
         for net in LONG:
             work = prepare_long(net)

@@ -60,6 +60,11 @@ class Ranker:
                                               "feature_groups")}
 
     @property
+    def width(self) -> int:
+        """Columns of the X this ranker takes (it uses those of its feature groups)."""
+        return len(FEATURE_NAMES)
+
+    @property
     def feature_names(self) -> list[str]:
         return [FEATURE_NAMES[i] for i in self._cols]
 
@@ -68,9 +73,9 @@ class Ranker:
         import xgboost as xgb
 
         X = np.asarray(X, dtype=np.float32)
-        if X.shape[1] != len(FEATURE_NAMES):
+        if X.shape[1] != self.width:
             raise RankerError(f"X has {X.shape[1]} features, schema v{FEATURE_VERSION} has "
-                              f"{len(FEATURE_NAMES)}")
+                              f"{self.width}")
         params = {"objective": self.objective, "max_depth": self.max_depth,
                   "eta": self.learning_rate, "subsample": self.subsample,
                   "colsample_bytree": self.colsample_bytree, "min_child_weight": self.min_child_weight,
@@ -93,7 +98,7 @@ class Ranker:
 
         if self.booster is None:
             raise RankerError("the ranker is not fitted")
-        X = np.asarray(X, dtype=np.float32).reshape(-1, len(FEATURE_NAMES))
+        X = np.asarray(X, dtype=np.float32).reshape(-1, self.width)
         return self.booster.predict(xgb.DMatrix(X[:, self._cols], feature_names=self.feature_names))
 
     # --- persistence ------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""Does MetaSchedule's own program feature help the ranker? Leave-one-network-out, with and without.
+
+    python bench/program_features.py [--trees 300] [--seeds 0 1 2]
+
+For every cross-measured candidate, the donor schedule is transferred onto the target kernel
+again and MetaSchedule's PerStoreFeature (164 numbers per buffer store, the features of its
+own XGBoost cost model) is extracted from the transferred program, reduced to a fixed vector
+(max and mean over stores: the group "m"). The ranker is then evaluated leave-one-network-out
+on ttrank's feature groups alone, with "m" added, and on "m" with the target shape alone.
+
+The extraction takes about 0.1 s per candidate, so it is cached per network under
+~/.cache/ttrank/program_features/ (recomputed when the rows change). Writes
+bench/results/program_features.json. The answer decides whether recommend should pay that cost
+per candidate at ranking time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+N_PSF = 164
+
+
+def program_vector(mod, target, extractor, context) -> np.ndarray:
+    """MetaSchedule's per-store features of a scheduled PrimFunc module: max and mean over stores."""
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    func = mod[[gv for gv in mod.functions][0]]
+    cand = ms.MeasureCandidate(s_tir.Schedule(mod), ArgInfo.from_prim_func(func))
+    f = extractor.extract_from(context, [cand])[0].numpy()
+    if f.size == 0:
+        return np.zeros(2 * N_PSF, dtype=np.float32)
+    return np.concatenate([f.max(axis=0), f.mean(axis=0)]).astype(np.float32)
+
+
+def network_features(net: str, metas: list[dict], store, target, cache_dir: Path) -> dict:
+    """(workload, record) -> program vector for the rows of ``net``, from cache when current."""
+    import ttrank
+    from tvm.s_tir import meta_schedule as ms
+
+    from ttrank.kernels import extract
+    from ttrank.transfer import transfer
+
+    keys = sorted({(m["workload"], m["record"]) for m in metas})
+    digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:12]
+    path = cache_dir / f"{net}-{digest}.npz"
+    if path.exists():
+        z = np.load(path, allow_pickle=False)
+        return {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
+    kernels = {k.workload_hash: k for k in extract(ttrank.load(f"zoo:{net}").mod, target)}
+    rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
+    extractor = ms.feature_extractor.PerStoreFeature(extract_workload=False)
+    context = ms.TuneContext(target=target)
+    out, t0 = {}, time.time()
+    for wh, rid in keys:
+        w, r = rec_of[rid]
+        c = transfer(r, kernels[wh], w, target)
+        out[(wh, rid)] = (program_vector(c.mod, target, extractor, context) if c.ok
+                          else np.full(2 * N_PSF, np.nan, dtype=np.float32))
+    print(f"  {net}: {len(keys)} candidates in {time.time() - t0:.0f} s", flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, keys=np.array([f"{a}|{b}" for a, b in out]), X=np.stack(list(out.values())))
+    tmp.rename(path)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trees", type=int, default=300)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--measurements", default=None, help="default: datasets/measurements")
+    ap.add_argument("--shortlist", type=int, nargs="+", default=[5, 10, 20])
+    args = ap.parse_args()
+
+    from ttrank.collect import Dataset, build_dataset
+    from ttrank.donors import DATASET_DONORS, DonorStore
+    from ttrank.evaluate import KEYS, _groups, evaluate, leave_one_network_out
+    from ttrank.features import FEATURE_NAMES, group_columns
+    from ttrank.ranker import Ranker
+    from ttrank.target import make_target, provenance
+    from ttrank.training import DATASET_MEASUREMENTS
+    from ttrank.util import atomic_write_json, cache_dir
+
+    target = make_target(None)
+    store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()), target=target)
+    ds = build_dataset([Path(args.measurements) if args.measurements else DATASET_MEASUREMENTS], store)
+    if len(ds.networks) < 2:
+        print("need measurements of at least two networks")
+        return 1
+    feats: dict = {}
+    for net in ds.networks:
+        feats.update({(net, *k): v for k, v in network_features(
+            net, [m for m in ds.meta if m["network"] == net], store, target,
+            cache_dir() / "program_features").items()})
+    M = np.stack([feats[(m["network"], m["workload"], m["record"])] for m in ds.meta])
+    X = np.concatenate([ds.X, M], axis=1)
+    full = Dataset(X, ds.y, ds.groups, ds.meta)
+    m_cols = list(range(len(FEATURE_NAMES), X.shape[1]))
+    m_names = [f"m_{s}{i}" for s in ("max", "mean") for i in range(N_PSF)]
+
+    class ColumnRanker(Ranker):
+        """The ranker on explicit columns of the widened matrix."""
+
+        def __init__(self, cols: list[int], names: list[str], **kw):
+            super().__init__(**kw)
+            self._cols, self._names = cols, names
+
+        @property
+        def feature_names(self) -> list[str]:
+            return self._names
+
+        @property
+        def width(self) -> int:
+            return X.shape[1]
+
+    def columns(groups: str, with_m: bool) -> tuple[list[int], list[str]]:
+        cols = group_columns(tuple(groups))
+        names = [FEATURE_NAMES[i] for i in cols]
+        return (cols + m_cols, names + m_names) if with_m else (cols, names)
+
+    variants = {"ttrank [tdsr]": columns("tdsr", False), "ttrank [tdsra]": columns("tdsra", False),
+                "ttrank [tdsr] + m": columns("tdsr", True), "ttrank [tdsra] + m": columns("tdsra", True),
+                "[t] + m": columns("t", True)}
+    results, all_runs = {}, {}
+
+    def record(name: str, runs: list[dict]) -> None:
+        results[name] = {
+            "average": {k: float(np.mean([r["average"][k] for r in runs])) for k in KEYS},
+            "networks": {n: {k: float(np.mean([r["networks"][n][k] for r in runs])) for k in KEYS}
+                         for n in runs[0]["networks"]}}
+        a = results[name]["average"]
+        print(f"{name:24s} " + "  ".join(f"{k} {a[k]:.3f}" for k in KEYS), flush=True)
+
+    for name, (cols, names) in variants.items():
+        all_runs[name] = [leave_one_network_out(full, lambda s=s: ColumnRanker(
+            cols, names, objective="reg:squarederror", n_estimators=args.trees, seed=s)) for s in args.seeds]
+        record(name, all_runs[name])
+    # what recommend could afford: extract "m" only for a shortlist of the base ranker's top-N
+    # and reorder that shortlist with the ranker that has "m"
+    spans = _groups(full)
+    for n_short in args.shortlist:
+        runs = []
+        for base, wide in zip(all_runs["ttrank [tdsr]"], all_runs["ttrank [tdsr] + m"]):
+            combined = np.array(base["scores"], dtype=np.float64)
+            for a, b in spans:
+                order = np.argsort(-combined[a:b], kind="stable")
+                short, rest = order[:n_short], order[n_short:]
+                new = combined[a:b].copy()
+                new[short] = wide["scores"][a:b][short]
+                if len(rest):  # every shortlisted candidate above every other
+                    new[short] += new[rest].max() + 1.0 - new[short].min()
+                combined[a:b] = new
+            per_net = {net: evaluate(full, combined, [a for a, _ in spans if full.meta[a]["network"] == net])
+                       for net in base["networks"]}
+            per_net = {n: v for n, v in per_net.items() if v}
+            runs.append({"networks": per_net,
+                         "average": {k: float(np.mean([v[k] for v in per_net.values()])) for k in KEYS}})
+        record(f"two-stage, shortlist {n_short}", runs)
+    atomic_write_json(ROOT / "bench" / "results" / "program_features.json", {
+        "rows": len(ds.y), "groups": len(ds.groups), "networks": ds.networks,
+        "objective": "reg:squarederror", "trees": args.trees, "seeds": args.seeds,
+        "measurements": str(args.measurements or "datasets/measurements"),
+        "results": results, "provenance": provenance(target)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
