@@ -136,9 +136,9 @@ def cmd_compile(args) -> int:
             raise engine.CheckError(f"compiled outputs differ from onnxruntime "
                                     f"(max abs error {res.max_abs_error:.3g}); nothing written")
         if args.time:
-            feed = model.random_inputs()
-            con.print(f"latency: ttrank/TVM {compiled.time_ms(feed):.2f} ms, "
-                      f"onnxruntime {engine.onnxruntime_time_ms(model, feed):.2f} ms")
+            lat = engine.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
+            con.print(f"latency (timed in alternation, min of 3): ttrank/TVM {lat['tvm']:.2f} ms, "
+                      f"onnxruntime {lat['onnxruntime']:.2f} ms")
     out = engine.export(ex, args.output)
     con.print(f"wrote {out}")
     return 0

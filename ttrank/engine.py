@@ -114,11 +114,6 @@ def onnxruntime_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> li
     return onnxruntime_session(model).run(None, feed)
 
 
-def onnxruntime_time_ms(model: LoadedModel, feed: dict[str, np.ndarray], repeat: int = 5,
-                        min_repeat_ms: int = 200) -> float:
-    return _ort_time_ms(onnxruntime_session(model), feed, repeat, min_repeat_ms)
-
-
 def _ort_time_ms(sess, feed: dict[str, np.ndarray], repeat: int, min_repeat_ms: int) -> float:
     """Minimum over repeats of the mean latency (ms) of an onnxruntime session."""
     sess.run(None, feed)
@@ -187,11 +182,11 @@ def model_latencies(model: LoadedModel, target, database=None, repeat: int = 3,
     if untuned:
         out["untuned"] = CompiledModel.from_executable(compile_model(model, target), model).time_ms(
             feed, repeat=repeat, min_repeat_ms=0)
+    built = {}
     if database is not None:
-        tuned = CompiledModel.from_executable(compile_model(model, target, database), model)
-        out["tuned"] = tuned.time_ms(feed, repeat=repeat)
-        out["check_max_abs_error"] = check_against_onnxruntime(tuned, model).max_abs_error
-    out["onnxruntime"] = onnxruntime_time_ms(model, feed, repeat=repeat)
+        built["tuned"] = CompiledModel.from_executable(compile_model(model, target, database), model)
+        out["check_max_abs_error"] = check_against_onnxruntime(built["tuned"], model).max_abs_error
+    out.update(alternate_ms(model, built, rounds=repeat, min_repeat_ms=200))
     out["provenance"] = provenance(target)
     return out
 
@@ -202,9 +197,16 @@ def time_side_by_side(model: LoadedModel, target, databases: dict, rounds: int =
 
     ``databases``: label -> a MetaSchedule database, or None for the default (untuned) pipeline.
     """
-    feed = model.random_inputs()
     built = {label: CompiledModel.from_executable(compile_model(model, target, db), model)
              for label, db in databases.items()}
+    return alternate_ms(model, built, rounds, onnxruntime, min_repeat_ms)
+
+
+def alternate_ms(model: LoadedModel, built: dict[str, CompiledModel], rounds: int = 3,
+                 onnxruntime: bool = True, min_repeat_ms: int = 300) -> dict[str, float]:
+    """Time compiled models (and onnxruntime) in alternation, min over rounds (ms): on a shared
+    machine a slow stretch then hits every contender alike, not just the one timed in it."""
+    feed = model.random_inputs()
     best: dict[str, float] = {}
     sess = onnxruntime_session(model) if onnxruntime else None
     for _ in range(rounds):
@@ -531,8 +533,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         else:
             lat["untuned"] = lat["untuned_estimated_from_kernels"]
             lat["untuned_source"] = "sum of untuned kernels"
-        lat["tuned"] = compiled.time_ms(feed)
-        lat["onnxruntime"] = onnxruntime_time_ms(model, feed)
+        side = alternate_ms(model, {"tuned": compiled}, rounds=5, min_repeat_ms=200)
+        lat["tuned"], lat["onnxruntime"] = side["tuned"], side["onnxruntime"]
         progress("timing", 1, 1, "")
     return Result(model.name, list(reports.values()), str(db_dir), library, lat, max_err,
                   {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
