@@ -9,7 +9,7 @@ Steps (each resumes where the last session stopped; a finished step is skipped q
   3. collect   cross-measurements, every network as target       (ttrank collect), then
                retraining, bench/ranker_eval.py and bench/program_features.py
   4. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
-               continuing each network's 64-trial donor run in datasets/metaschedule_long/
+               from scratch, one runtime thread per core, in datasets/metaschedule_long/
   5. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
 Run one copy at a time (it refuses to start when another is running).
 """
@@ -17,7 +17,6 @@ Run one copy at a time (it refuses to start when another is running).
 from __future__ import annotations
 
 import argparse
-import shutil
 import os
 import subprocess
 import sys
@@ -71,16 +70,10 @@ def donors_complete(names: list[str]) -> bool:
     return True
 
 
-def prepare_long(net: str) -> Path:
-    """Seed a long run with the network's finished 64-trial run, so its curve continues."""
-    dst = ROOT / "datasets" / "metaschedule_long" / net
-    src = ROOT / "datasets" / "donors" / net
-    if not dst.exists() and src.exists():
-        tmp = dst.with_name(f".{net}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("logs"))
-        tmp.rename(dst)
-    return dst
+def long_dir(net: str) -> Path:
+    """A long run starts from scratch with one runtime thread per core (the donor runs used
+    one thread), so its curve is MetaSchedule's own search under the same conditions as ttrank."""
+    return ROOT / "datasets" / "metaschedule_long" / net
 
 
 def main() -> int:
@@ -131,7 +124,7 @@ def main() -> int:
                 commit("Program-feature evaluation", args.commit)
     if "long" in args.steps:
         for net in LONG:
-            work = prepare_long(net)
+            work = long_dir(net)
             if run(["ttrank", "tune", f"zoo:{net}", "--out", str(work), "--name", net,
                     "--trials-per-task", str(LONG_TRIALS), "--budget-minutes", "{left}",
                     "--no-progress", "--measure-model"], deadline) < 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,7 +45,12 @@ def main() -> int:
                "--trials-per-task", str(args.trials_per_task), "--budget-minutes", f"{left:.1f}",
                "--no-progress", "--measure-model"]
         print(" ".join(cmd), flush=True)
-        rc = subprocess.call(cmd)
+        # The first nine donors were tuned with TVM's default of one runtime thread on this
+        # 2-core host (TVM halves the CPU count to skip hyper-threads); the rest of the dataset
+        # keeps that, so every donor's own latency means the same thing. TTRANK_DONOR_THREADS
+        # overrides it for a new donor set.
+        env = dict(os.environ, TVM_NUM_THREADS=os.environ.get("TTRANK_DONOR_THREADS", "1"))
+        rc = subprocess.call(cmd, env=env)
         print(f"{name}: exit {rc}", flush=True)
         write_summary(Path(args.out))
     write_summary(Path(args.out))
@@ -66,9 +72,13 @@ def write_summary(root: Path) -> None:
             "model_latency_ms": {k: v for k, v in (m.get("model_latency_ms") or {}).items()
                                  if k != "provenance"} or None,
             "cpu": prov.get("cpu"), "mcpu": prov.get("mcpu"), "cores": prov.get("cores"),
+            # runs from before ttrank recorded it used TVM's default here: one thread
+            "runtime_threads": prov.get("threads", 1),
             "tvm": prov.get("tvm"), "started": prov.get("date")}
     atomic_write_json(root / "manifest.json", {
         "how": "python bench/tune_donors.py --budget-minutes M (ttrank tune per network, resumable)",
+        "runtime_threads": "every donor was tuned with one TVM runtime thread (TVM's default on this "
+                           "2-core host); recommend and the cross-measurements run with one per core",
         "search_seconds_total": round(sum(n["search_seconds"] or 0 for n in nets.values()), 1),
         "networks": nets})
 

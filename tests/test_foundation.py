@@ -213,3 +213,20 @@ def test_bert_base_kernels(tmp_path):
     qkv = next(k for k in ks if k.workload_class == "matmul+add" and k.attrs.get("k") == 768
                and k.attrs.get("n") == 768)
     assert qkv.weight >= 36  # Q, K, V of 12 layers share one kernel
+
+
+def test_tvm_runtime_uses_every_core_unless_told_otherwise():
+    # TVM alone would use half the CPUs on x86 (it assumes hyper-threads)
+    import subprocess
+    import sys
+
+    from ttrank.target import host_cores
+
+    code = ("import ttrank, tvm; from ttrank.target import provenance; "
+            "print(tvm.get_global_func('runtime.NumThreads')(), provenance()['threads'])")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TVM_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(host_cores())] * 2
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "TVM_NUM_THREADS": "1"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]

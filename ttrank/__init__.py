@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from .target import use_host_threads  # noqa: E402
+
+use_host_threads()  # before any TVM runtime thread pool starts
+
 from .engine import KernelReport, Result  # noqa: E402
 from .errors import TTRankError  # noqa: E402
 from .transfer import Candidate  # noqa: E402

@@ -76,13 +76,17 @@ def sample_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
     return (best + rest)[:max_per_kernel]
 
 
+def machine_of(prov: dict) -> tuple:
+    """What a latency depends on besides the program: the CPU and the runtime's threads."""
+    return prov.get("mcpu"), prov.get("cores"), prov.get("threads")
+
+
 def same_cpu(row: dict, prov: dict) -> bool:
-    p = row.get("provenance") or {}
-    return (p.get("mcpu"), p.get("cores")) == (prov.get("mcpu"), prov.get("cores"))
+    return machine_of(row.get("provenance") or {}) == machine_of(prov)
 
 
 def compact_provenance(prov: dict) -> dict:
-    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "tvm", "date") if k in prov}
+    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date") if k in prov}
 
 
 def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], measurer,
@@ -136,7 +140,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     spec = getattr(measurer, "spec", None)
     if spec is not None:  # how each latency was taken
         prov["runner"] = spec.protocol()
-    # rows measured on another CPU do not count as done here: this CPU gets its own
+    # rows measured on another CPU (or thread count) do not count as done: this one gets its own
     mine = [r for r in load_rows(table) if same_cpu(r, prov)]
     done = {measurement_key(r) for r in mine}
     untuned = {r["workload"]: r["latency_s"] for r in mine if r["record"] == UNTUNED}
@@ -236,7 +240,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                 if row.get("record") == UNTUNED or row["workload"] not in kernels \
                         or (row.get("adapt") or "ttrank") != "ttrank":
                     continue
-                cpu = (row.get("provenance") or {}).get("mcpu", "")
+                cpu = machine_of(row.get("provenance") or {})
                 by_kernel.setdefault((row["workload"], cpu), {})[row["record"]] = row  # last wins
             for (wh, _cpu), rows in by_kernel.items():
                 usable = [r for r in rows.values() if r["record"] in rec_of]

@@ -100,10 +100,10 @@ class CompiledModel:
 def onnxruntime_session(model: LoadedModel, threads: int | None = None):
     import onnxruntime as ort
 
-    from .target import host_cores
+    from .target import runtime_threads
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or host_cores()
+    so.intra_op_num_threads = threads or runtime_threads()  # the same threads as TVM's runtime
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     return ort.InferenceSession(model.onnx_model.SerializeToString(), so,

@@ -45,6 +45,25 @@ def host_cores() -> int:
     return max(1, min(avail, phys))
 
 
+def use_host_threads() -> None:
+    """Give the TVM runtime one thread per core, unless TVM_NUM_THREADS is already set.
+
+    TVM's default is half the CPU count on x86, to skip hyper-threads; on a small VM whose
+    vCPUs are separate cores (2 here) that leaves half the machine idle, while onnxruntime uses
+    it all. Set in the environment so that measuring workers, started later, inherit it.
+    """
+    os.environ.setdefault("TVM_NUM_THREADS", str(host_cores()))
+
+
+def runtime_threads() -> int:
+    """The TVM runtime's thread count in this process and the workers it starts."""
+    try:
+        return max(1, int(os.environ["TVM_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        n = os.cpu_count() or 1
+        return max(1, n // 2 if platform.machine() in ("x86_64", "AMD64") else n)
+
+
 def host_target_dict() -> dict[str, Any]:
     return {"kind": "llvm", "mcpu": host_mcpu(), "num-cores": host_cores()}
 
@@ -96,6 +115,7 @@ def provenance(target=None) -> dict[str, Any]:
         "cpu": host_cpu_model(),
         "mcpu": host_mcpu(),
         "cores": host_cores(),
+        "threads": runtime_threads(),
         "target": str(t),
         "tvm": tvm.__version__,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
