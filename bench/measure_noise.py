@@ -6,9 +6,10 @@ For the heaviest kernels of a zoo network, a sample of donor candidates is measu
 each protocol, at the same number of timed repeats:
   sequential   each candidate's repeats back to back (rounds=1, repeat=R)
   interleaved  `rounds` passes over the batch in shuffled order, fewer repeats each
-Reported per protocol: the spread of run-1/run-2 latency ratios, and how often the two runs
-agree on the best candidate (and the top-1 score of run 1's pick judged by run 2).
-Writes bench/results/measure_noise.json.
+Reported per protocol: the spread of run-1/run-2 latency ratios, the relative dispersion (that
+spread after removing the run's common shift: what a ranking depends on), and how often the two
+runs agree on the best candidate (and the top-1 score of run 1's pick judged by run 2).
+Adds an entry to bench/results/measure_noise.json (one per network and runtime thread count).
 """
 
 from __future__ import annotations
@@ -71,12 +72,16 @@ def main() -> int:
                 m.close()
                 pairs_ok = [(a, b) for a, b in zip(*runs) if a and b]
                 ratios = [a / b for a, b in pairs_ok]
+                logs = [math.log(r) for r in ratios]
+                shift = statistics.median(logs)  # the whole machine slower in one run than the other
                 best1 = min(range(len(pairs_ok)), key=lambda i: pairs_ok[i][0])
                 best2 = min(b for _, b in pairs_ok)
                 row[name] = {
                     "seconds": round(time.time() - t0, 1),
                     "ratio_min": min(ratios), "ratio_max": max(ratios),
-                    "median_abs_log_ratio": statistics.median(abs(math.log(r)) for r in ratios),
+                    "median_abs_log_ratio": statistics.median(abs(v) for v in logs),
+                    # what ranking depends on: disagreement left after the common shift
+                    "relative_dispersion": statistics.median(abs(v - shift) for v in logs),
                     "same_best": best1 == min(range(len(pairs_ok)), key=lambda i: pairs_ok[i][1]),
                     "top1_score_cross": best2 / pairs_ok[best1][1],
                     "runs": runs,
@@ -88,6 +93,7 @@ def main() -> int:
     for name in protocols:
         rs = [r[name] for r in out["kernels"]]
         out[name] = {"median_abs_log_ratio": statistics.mean(r["median_abs_log_ratio"] for r in rs),
+                     "relative_dispersion": statistics.mean(r["relative_dispersion"] for r in rs),
                      "worst_ratio": max(max(r["ratio_max"], 1 / r["ratio_min"]) for r in rs),
                      "same_best": sum(r["same_best"] for r in rs) / len(rs),
                      "top1_score_cross": statistics.mean(r["top1_score_cross"] for r in rs),
@@ -95,7 +101,11 @@ def main() -> int:
         print(name, json.dumps(out[name]))
     from ttrank.util import atomic_write_json
 
-    atomic_write_json(ROOT / "bench" / "results" / "measure_noise.json", out)
+    # one entry per (network, runtime threads): the protocols behave differently at 1 and 2
+    path = ROOT / "bench" / "results" / "measure_noise.json"
+    runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
+    runs[f"{args.network}, {out['provenance'].get('threads')} thread(s)"] = out
+    atomic_write_json(path, {"runs": runs})
     return 0
 
 
