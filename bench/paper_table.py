@@ -49,8 +49,11 @@ METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 
 
 def inputs_hash(net: str) -> str:
-    """Changes when the run's inputs grow: the measurement table or the MetaSchedule log."""
-    h = hashlib.sha256()
+    """Changes when the run's inputs grow (the measurement table or the MetaSchedule log) or
+    the runtime's thread count changes."""
+    from ttrank.target import runtime_threads
+
+    h = hashlib.sha256(f"threads={runtime_threads()}".encode())
     for p in (ROOT / "datasets" / "measurements" / f"{net}.jsonl", (ms_dir(net) or Path("/nonexistent")) / "trials.jsonl"):
         h.update(str(p.stat().st_size if p.exists() else 0).encode())
     return h.hexdigest()[:12]

@@ -171,15 +171,20 @@ def main() -> int:
     args = ap.parse_args()
     net = args.network
     from ttrank.donors import DonorStore
-    from ttrank.target import provenance
+    from ttrank.target import provenance, runtime_threads
     from ttrank.util import atomic_write_json
 
     path = Path(args.out) if args.out else RESULTS / f"recommend_{net}.json"
     available = sorted(n for n in DonorStore.load().networks if n != net)
-    if args.skip_if_current and path.exists() and \
-            json.loads(path.read_text()).get("donor_networks_available") == available:
-        print(f"{path} is current (donors: {', '.join(available)})")
-        return 0
+    ms_dir = metaschedule_dir(net)
+    # a result is current while the donors, the runtime's threads and MetaSchedule's run are
+    state = {"donor_networks_available": available, "threads": runtime_threads(),
+             "metaschedule_run": str(ms_dir.relative_to(ROOT)) if ms_dir else None}
+    if args.skip_if_current and path.exists():
+        old = json.loads(path.read_text())
+        if {k: old.get(k) for k in state} == state:
+            print(f"{path} is current ({state})")
+            return 0
 
     with tempfile.TemporaryDirectory(prefix="ttrank-bench-") as tmp:
         try:
@@ -200,7 +205,7 @@ def main() -> int:
         "kernels": len(report["kernels"]),
         "kernels_tuned": sum(1 for k in report["kernels"] if k["status"] != "untuned"),
         "donor_networks": sorted({k["chosen"]["donor_network"] for k in report["kernels"] if k.get("chosen")}),
-        "donor_networks_available": available,
+        **state,
         "metaschedule_seconds_to_match": match,
         "metaschedule_seconds_to_match_as_run": (ms.get("seconds_to_match") or {}).get("as_run"),
         "metaschedule_time_ratio": (match / wall) if match else None,

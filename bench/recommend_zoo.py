@@ -74,6 +74,7 @@ def write_table(results: dict) -> None:
 
 def main() -> int:
     from ttrank.donors import DonorStore
+    from ttrank.target import runtime_threads
     from ttrank.util import atomic_write_json
     from ttrank.zoo import ZOO
 
@@ -91,8 +92,9 @@ def main() -> int:
     for net in args.networks:
         donors = sorted(n for n in store_networks if n != net)
         old = results.get(net)
-        if old and not args.force and old.get("donor_networks") == donors and "error" not in old:
-            print(f"{net}: done earlier with the same donors")
+        if old and not args.force and old.get("donor_networks") == donors and "error" not in old \
+                and (old.get("provenance") or {}).get("threads") == runtime_threads():
+            print(f"{net}: done earlier with the same donors and threads")
             continue
         if deadline and time.time() > deadline:
             print("budget spent; rerun to continue")
