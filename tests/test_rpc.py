@@ -63,7 +63,7 @@ def test_measure_through_rpc_tracker(tracker, tiny_cnn):
         assert res[0].ok and res[0].latency_s > 0  # the reference against itself
         assert res[1].status == "wrong_result"  # a different kernel is caught before running
         res = m.measure([ks[1].mod])
-        assert res[0].ok and len(res[0].all_secs) == m.spec.repeat
+        assert res[0].ok and len(res[0].all_secs) == m.spec.repeat * m.spec.rounds
     finally:
         m.close()
     assert m.spec.describe() == f"rpc://{address}/{key}"
