@@ -248,7 +248,7 @@ def cmd_donors(args) -> int:
 
     t = Table(title=f"donor store: {len(store.workloads)} kernels, {len(store.records())} records")
     for col in ("network", "kernels", "records", "trials", "search", "untuned ms", "tuned ms",
-                "speedup", "onnxruntime ms", "cpu"):
+                "speedup", "onnxruntime ms", "threads", "cpu"):
         t.add_column(col)
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in rows:
@@ -257,9 +257,11 @@ def cmd_donors(args) -> int:
         t.add_row(r["network"], str(r["kernels"]), str(r["records"]), trials,
                   fmt(r.get("search_seconds"), "{:.0f} s"), fmt(r["untuned_ms"], "{:.1f}"),
                   fmt(r["tuned_ms"] or r.get("estimated_ms"), "{:.2f}" if r["tuned_ms"] else "~{:.2f}"),
-                  fmt(speed, "{:.1f}x"), fmt(r["onnxruntime_ms"]), str(r.get("cpu") or "-"))
+                  fmt(speed, "{:.1f}x"), fmt(r["onnxruntime_ms"]), str(r.get("threads") or "-"),
+                  str(r.get("cpu") or "-"))
     con.print(t)
-    con.print("tuned ms with ~ is the sum of per-kernel bests while tuning is incomplete")
+    con.print("tuned ms with ~ is the sum of per-kernel bests while tuning is incomplete; threads: "
+              "the TVM runtime's while tuning and timing (onnxruntime used every core)")
     return 0
 
 

@@ -406,4 +406,4 @@ def network_summary(work_dir: Path) -> dict[str, Any]:
             "search_seconds": m.get("search_seconds"), "estimated_ms": m.get("estimated_ms"),
             "model_latency_ms": m.get("model_latency_ms"),
             "cpu": f"{prov.get('cpu')} ({prov.get('mcpu')})" if prov.get("mcpu") else prov.get("cpu"),
-            "tvm": prov.get("tvm")}
+            "threads": prov.get("threads"), "tvm": prov.get("tvm")}

@@ -22,7 +22,7 @@ from pathlib import Path
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-from .target import provenance, make_target
+from .target import make_target, provenance, runtime_threads
 from .util import append_jsonl, atomic_write_json, read_jsonl
 
 log = logging.getLogger("ttrank")
@@ -298,7 +298,8 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "complete": progress.trials_done >= progress.trials_total,
         "search_seconds": round(max(progress.search_s, prior_search), 1),
         "estimated_ms": progress.estimated_ms(),
-        "provenance": old.get("provenance") or provenance(target),
+        # a run resumed from a log written before threads were recorded ran with these
+        "provenance": {"threads": runtime_threads(), **(old.get("provenance") or provenance(target))},
         "last_run": provenance(target),
         "model_latency_ms": old.get("model_latency_ms") if old.get("trials_done") == progress.trials_done else None,
         "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
