@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--candidates", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=10, help="timed repeats per candidate, per protocol")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--number", type=int, default=3, help="runs averaged per timed repeat (at least)")
+    ap.add_argument("--min-repeat-ms", type=int, default=50)
     ap.add_argument("--pause-background", action="store_true")
     args = ap.parse_args()
 
@@ -52,8 +54,10 @@ def main() -> int:
     kernels = sorted((k for k in extract(model.mod, target) if k.tunable),
                      key=lambda k: -k.weight * k.flops)[:args.kernels]
     protocols = {
-        "sequential": RunnerSpec(repeat=args.repeats, rounds=1),
-        "interleaved": RunnerSpec(repeat=max(1, args.repeats // args.rounds), rounds=args.rounds),
+        "sequential": RunnerSpec(repeat=args.repeats, rounds=1, number=args.number,
+                                 min_repeat_ms=args.min_repeat_ms),
+        "interleaved": RunnerSpec(repeat=max(1, args.repeats // args.rounds), rounds=args.rounds,
+                                  number=args.number, min_repeat_ms=args.min_repeat_ms),
     }
     out = {"network": args.network, "repeats": args.repeats, "rounds": args.rounds,
            "provenance": provenance(target), "kernels": []}
@@ -104,7 +108,11 @@ def main() -> int:
     # one entry per (network, runtime threads): the protocols behave differently at 1 and 2
     path = ROOT / "bench" / "results" / "measure_noise.json"
     runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
-    runs[f"{args.network}, {out['provenance'].get('threads')} thread(s)"] = out
+    out["runner"] = {"number": args.number, "min_repeat_ms": args.min_repeat_ms}
+    label = f"{args.network}, {out['provenance'].get('threads')} thread(s)"
+    if (args.number, args.min_repeat_ms) != (3, 50):
+        label += f", number {args.number}, min_repeat_ms {args.min_repeat_ms}"
+    runs[label] = out
     atomic_write_json(path, {"runs": runs})
     return 0
 

@@ -206,7 +206,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
 
     database = ms.database.JSONDatabase(work_dir=str(work_dir))
     builder = WarmPoolBuilder(timeout_sec=build_timeout_sec)
-    runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3).create()
+    runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3, min_repeat_ms=50).create()
     t0 = time.time()
 
     def clock() -> float:
