@@ -230,3 +230,15 @@ def test_tvm_runtime_uses_every_core_unless_told_otherwise():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "TVM_NUM_THREADS": "1"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "1"]
+
+
+def test_threads_flag_reaches_the_measuring_workers(monkeypatch, capsys):
+    import os
+
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    assert main(["--threads", "2", "zoo", "list"]) == 0
+    assert os.environ["TVM_NUM_THREADS"] == "2"  # inherited by the runner and builder workers
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    with pytest.raises(SystemExit):
+        main(["--threads", "0", "zoo", "list"])
+    assert "--threads must be at least 1" in capsys.readouterr().err

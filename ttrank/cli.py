@@ -352,7 +352,8 @@ def _print_report(con, res) -> None:
     if lat:
         src = "" if lat.get("untuned_source") == "measured" else " (sum of kernels)"
         con.print(f"model latency: untuned {lat['untuned']:.1f} ms{src}, ttrank {lat['tuned']:.2f} ms "
-                  f"({lat['untuned'] / lat['tuned']:.1f}x), onnxruntime {lat['onnxruntime']:.2f} ms")
+                  f"({lat['untuned'] / lat['tuned']:.1f}x), onnxruntime {lat['onnxruntime']:.2f} ms "
+                  f"({res.provenance.get('threads')} threads each)")
     con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
               f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
     if res.max_abs_error_vs_onnxruntime is not None:
@@ -473,6 +474,9 @@ def _measure_tuned_model(model, target, work_dir: str, con) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ttrank", description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("-v", "--verbose", action="count", default=0, help="show TVM logs (-vv: debug)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="TVM runtime threads for measuring and timing (default: TVM_NUM_THREADS, "
+                        "else one per core); onnxruntime gets the same")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     z = sub.add_parser("zoo", help="the model zoo")
@@ -587,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        # before TVM's thread pool starts here, and inherited by every measuring worker
+        os.environ["TVM_NUM_THREADS"] = str(args.threads)
     try:
         with _native_stderr_captured(not args.verbose):
             return int(args.func(args) or 0)
