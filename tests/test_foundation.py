@@ -242,3 +242,14 @@ def test_threads_flag_reaches_the_measuring_workers(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--threads", "0", "zoo", "list"])
     assert "--threads must be at least 1" in capsys.readouterr().err
+
+
+def test_a_busy_machine_is_noticed_and_recorded(monkeypatch):
+    import os
+
+    from ttrank import target as tg
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 1.0, 1.0))
+    assert "busy" in tg.machine_busy() and tg.provenance()["load_1m"] == 4.0
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
+    assert tg.machine_busy() is None

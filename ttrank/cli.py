@@ -281,7 +281,7 @@ def cmd_recommend(args) -> int:
     from . import engine
     from .donors import DonorStore
     from .ranker import Ranker
-    from .target import make_target
+    from .target import machine_busy, make_target
 
     con = _console()
     model = load_model_arg(args.model, args.input_shape, args.fast_math)
@@ -299,6 +299,10 @@ def cmd_recommend(args) -> int:
             con.print(f"leave-one-out: refitting the ranker without {net}'s measurements")
             ranker = ranker_without(net, ranker, store)
     output = args.output or f"{model.name}.so"
+    busy = machine_busy()
+    if busy and (args.rpc_tracker is None):
+        con.print(f"[yellow]warning: {busy}; measured latencies will be noisy, and a parallel "
+                  f"kernel is slowed most (see --threads)[/yellow]")
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=con, transient=True,
@@ -428,6 +432,11 @@ def cmd_collect(args) -> int:
     target = make_target(args.target)
     store = DonorStore.load(args.donors or None, target=target)
     measurer = Measurer(target, RunnerSpec(repeat=max(1, args.repeat // args.rounds), rounds=args.rounds))
+    from .target import machine_busy
+
+    busy = machine_busy()
+    if busy:  # these latencies become training labels: say so, the rows record the load too
+        con.print(f"[yellow]warning: {busy}; measurements taken now will be noisy[/yellow]")
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
     try:
         for net in args.networks:

@@ -86,7 +86,7 @@ def same_cpu(row: dict, prov: dict) -> bool:
 
 
 def compact_provenance(prov: dict) -> dict:
-    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date") if k in prov}
+    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date", "load_1m") if k in prov}
 
 
 def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], measurer,

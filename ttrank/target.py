@@ -64,6 +64,22 @@ def runtime_threads() -> int:
         return max(1, n // 2 if platform.machine() in ("x86_64", "AMD64") else n)
 
 
+def load_average() -> float | None:
+    """The host's 1-minute load average (runnable processes), for provenance."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def machine_busy(threshold: float = 0.5) -> str | None:
+    """Why measuring now would be noisy (other work holding the cores), or None."""
+    load, cores = load_average(), host_cores()
+    if load is not None and load > threshold * cores:
+        return f"the machine is busy (1-minute load {load:.1f} on {cores} cores)"
+    return None
+
+
 def host_target_dict() -> dict[str, Any]:
     return {"kind": "llvm", "mcpu": host_mcpu(), "num-cores": host_cores()}
 
@@ -116,6 +132,7 @@ def provenance(target=None) -> dict[str, Any]:
         "mcpu": host_mcpu(),
         "cores": host_cores(),
         "threads": runtime_threads(),
+        "load_1m": load_average(),
         "target": str(t),
         "tvm": tvm.__version__,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
