@@ -293,3 +293,5 @@ def test_train_on_new_logs(donor_dir, tmp_path, monkeypatch, capsys):
     assert r.metadata["training_rows"] > 0 and r.metadata["cpu"] and r.metadata["tvm"]
     table = tmp_path / "cache" / "data" / "measurements" / "tiny_cnn.jsonl"
     assert table.exists()
+    # the model knows its data: a leave-one-out refit reads the same tables
+    assert table.parent in t.training_dirs(r) and r.metadata["threads"] >= 1

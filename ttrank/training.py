@@ -20,6 +20,23 @@ log = logging.getLogger("ttrank")
 DATASET_MEASUREMENTS = Path(__file__).resolve().parent.parent / "datasets" / "measurements"
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _portable(d: Path) -> str:
+    """A measurement dir as the model's metadata keeps it: relative to the checkout if inside."""
+    d = Path(d).resolve()
+    return str(d.relative_to(REPO)) if d.is_relative_to(REPO) else str(d)
+
+
+def training_dirs(ranker: Ranker) -> list[Path] | None:
+    """The measurement dirs a ranker was trained from (those that still exist), if recorded."""
+    dirs = ranker.metadata.get("measurement_dirs")
+    if dirs is None:
+        return None
+    return [p for p in (REPO / d if not Path(d).is_absolute() else Path(d) for d in dirs) if p.exists()]
+
+
 def default_measurement_dirs() -> list[Path]:
     """The shipped cross-measurements, then the user's own recommend runs."""
     return [d for d in (DATASET_MEASUREMENTS, cache_dir() / "data" / "measurements") if d.exists()]
@@ -105,6 +122,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     prov = provenance()
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
+                measurement_dirs=[_portable(d) for d in dirs], threads=prov.get("threads"),
                 top_k=report["top_k"],
                 cpu=prov["cpu"], mcpu=prov["mcpu"], tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "configs"})
@@ -121,7 +139,9 @@ def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
     if network not in base.metadata.get("training_networks", []):
         return base
     store = store or DonorStore.load()
-    dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
+    # the data the ranker was trained from, so the refit differs from it by the network alone
+    dirs = measurement_dirs if measurement_dirs is not None else (
+        training_dirs(base) or default_measurement_dirs())
     ds = build_dataset(dirs, store)
     keep, groups, start = [], [], 0
     for g in ds.groups:
