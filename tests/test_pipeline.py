@@ -75,6 +75,23 @@ def test_rows_from_another_cpu_are_measured_again(measurements, donor_dir, tiny_
     assert len(both.groups) == 2 * len(one.groups)
 
 
+def test_rows_of_a_schedule_since_replaced_are_stale(measurements, donor_dir, tiny_cnn, target, tmp_path):
+    # a donor log that kept tuning holds another schedule at the same rank now
+    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
+    assert all(r["record_hash"] for r in rows if r["record"] != collect.UNTUNED)
+    for r in rows:
+        if r["record"] != collect.UNTUNED:
+            r["record_hash"] = "replaced"
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "tiny_cnn.json").write_text((measurements / "kernels" / "tiny_cnn.json").read_text())
+    (tmp_path / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = donors.DonorStore.load([donor_dir])
+    assert collect.build_dataset([tmp_path], store).groups == []  # never trained on
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, tmp_path)
+    assert stats.measured > 0 and stats.skipped_existing == 0  # and measured again
+    assert len(collect.build_dataset([tmp_path], store).groups) == len(collect.build_dataset([measurements], store).groups)
+
+
 def test_paper_baseline_rows_are_kept_apart(measurements, donor_dir):
     rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
     paper = [r for r in rows if r.get("pool") == "paper"]

@@ -81,6 +81,13 @@ def machine_of(prov: dict) -> tuple:
     return prov.get("mcpu"), prov.get("cores"), prov.get("threads")
 
 
+def is_current(row: dict, record: DonorRecord | None) -> bool:
+    """Whether a row measured the schedule that ``record`` holds now (rows from before hashes
+    were kept are taken as current)."""
+    h = row.get("record_hash")
+    return h is None or record is None or h == record.trace_hash
+
+
 def same_cpu(row: dict, prov: dict) -> bool:
     return machine_of(row.get("provenance") or {}) == machine_of(prov)
 
@@ -112,7 +119,8 @@ def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]
         rows.append({"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
                      "class": kernel.workload_class, "record": c.record.id,
                      "donor_network": c.donor.network, "donor_kernel": c.donor.kernel.name,
-                     "donor_rank": c.record.rank, "status": status, "reason": reason[:300],
+                     "donor_rank": c.record.rank, "record_hash": c.record.trace_hash,
+                     "status": status, "reason": reason[:300],
                      "latency_s": lat, "untuned_s": untuned_s, "method": c.method, "adapt": adapt,
                      "tile_changes": len(c.tile_changes), "provenance": prov,
                      "pool": "paper" if adapt == "tvm" else "ranked"})
@@ -141,7 +149,8 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     if spec is not None:  # how each latency was taken
         prov["runner"] = spec.protocol()
     # rows measured on another CPU (or thread count) do not count as done: this one gets its own
-    mine = [r for r in load_rows(table) if same_cpu(r, prov)]
+    rec_of = {r.id: r for r in store.records()}
+    mine = [r for r in load_rows(table) if same_cpu(r, prov) and is_current(r, rec_of.get(r["record"]))]
     done = {measurement_key(r) for r in mine}
     untuned = {r["workload"]: r["latency_s"] for r in mine if r["record"] == UNTUNED}
     stats = CollectStats(network, len(kernels))
@@ -243,7 +252,8 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                 cpu = machine_of(row.get("provenance") or {})
                 by_kernel.setdefault((row["workload"], cpu), {})[row["record"]] = row  # last wins
             for (wh, _cpu), rows in by_kernel.items():
-                usable = [r for r in rows.values() if r["record"] in rec_of]
+                usable = [r for r in rows.values() if r["record"] in rec_of
+                          and is_current(r, rec_of[r["record"]][1])]
                 if len(usable) < min_group:
                     continue
                 k = kernels[wh]

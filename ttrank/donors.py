@@ -10,11 +10,13 @@ and counted, never fatal.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import shutil
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,12 @@ class DonorRecord:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @cached_property
+    def trace_hash(self) -> str:
+        """The schedule's content hash. ``id`` names a rank, and while a donor log still grows
+        the record at a rank can change: a measurement keeps this hash to know it is stale."""
+        return hashlib.sha256(json.dumps(self.trace_json, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass

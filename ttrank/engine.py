@@ -315,7 +315,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     from tvm.s_tir import meta_schedule as ms
 
     from . import kernels as kmod
-    from .collect import UNTUNED, compact_provenance
+    from .collect import UNTUNED, compact_provenance, is_current, same_cpu
     from .donors import DonorStore
     from .measure import Measurer, RunnerSpec
     from .ranker import Ranker
@@ -337,7 +337,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
     table = data_dir / "measurements" / f"{model.name}.jsonl"
     cached = {k: r for k, r in _cache_rows(table).items()
-              if r.get("target_key", tkey) == tkey and r.get("provenance", {}).get("mcpu") == prov.get("mcpu")}
+              if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
 
     def progress(phase: str, done: int, total: int, info: str = "") -> None:
         if on_progress:
@@ -395,7 +395,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                 if len(picked) >= rep.top_k:
                     break
                 cached_row = cached.get((k.workload_hash, c.record.id))
-                if cached_row is not None:
+                if cached_row is not None and is_current(cached_row, c.record):
                     if cached_row["status"] != "ok":
                         rep.rejections.append((c.record.id, cached_row.get("reason", cached_row["status"])))
                     picked.append((c, cached_row))
@@ -420,7 +420,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                 r = {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
                      "class": k.workload_class, "record": t.record.id,
                      "donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
-                     "donor_rank": t.record.rank, "status": m.status if not m.ok else "ok",
+                     "donor_rank": t.record.rank, "record_hash": t.record.trace_hash,
+                     "status": m.status if not m.ok else "ok",
                      "reason": m.error[:300], "latency_s": m.latency_s,
                      "untuned_s": reports[k.name].untuned_s, "method": t.method, "adapt": t.adapt,
                      "tile_changes": len(t.tile_changes), "score": t.score, "provenance": prov,
