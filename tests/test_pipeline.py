@@ -236,6 +236,24 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
     assert len(calls) == len(done) - 1  # the kept candidate was not measured again
 
 
+def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_path, monkeypatch):
+    """A budget spent after the first batch: that batch held the top-1 of the kernel with the
+    largest share of the model; the others say why they stayed untuned."""
+    import ttrank.engine as engine
+
+    monkeypatch.setattr(engine, "MEASURE_CHUNK", 1)
+    res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
+                           ranker=Ranker.load(trained), top_k=3, minor_share=0.0,
+                           data_dir=tmp_path / "data", database_dir=tmp_path / "db",
+                           time_model=False, measure_budget_s=0.0)
+    ks = [k for k in res.kernels if k.candidates]
+    first = max(ks, key=lambda k: k.weight * k.untuned_s)
+    assert [m["rank"] for m in first.measured] == [0]
+    assert all(not k.measured and "budget" in k.why for k in ks if k is not first)
+    assert res.provenance["candidates_left_unmeasured"] > 0
+    assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
 def test_recommend_on_a_third_party_export_with_dynamic_dims(trained, donor_dir, tmp_path, capsys):
     """An MLP exported by skl2onnx: a dynamic batch dim, a Cast, a Reshape; recommend needs
     the shape, then transfers tiny_resnet's dense-layer schedule onto its MatMul kernels."""

@@ -318,7 +318,7 @@ def cmd_recommend(args) -> int:
                                output=output, database_dir=args.database, runner=_runner_spec(args),
                                data_dir=args.data_dir, exclude_networks=exclude,
                                tune_missing=args.tune_missing, minor_share=args.minor_share,
-                               on_progress=on_progress)
+                               measure_budget_s=args.measure_seconds, on_progress=on_progress)
     _print_report(con, res)
     if args.json:
         from .util import atomic_write_json
@@ -360,6 +360,9 @@ def _print_report(con, res) -> None:
                   f"({res.provenance.get('threads')} threads each)")
     con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
               f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
+    left = res.provenance.get("candidates_left_unmeasured")
+    if left:
+        con.print(f"the measuring budget left {left} lower-ranked candidates unmeasured")
     if res.max_abs_error_vs_onnxruntime is not None:
         con.print(f"outputs match onnxruntime: max abs error {res.max_abs_error_vs_onnxruntime:.3g}")
     con.print(f"database: {res.database}" + (f"\nlibrary: {res.library}" if res.library else ""))
@@ -545,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--minor-share", type=float, default=0.002, metavar="FRACTION",
                    help="kernels under this share of the untuned model time get only their top-1 "
                         "candidate (default 0.002; 0 measures top-k everywhere)")
+    r.add_argument("--measure-seconds", type=float, default=None, metavar="S",
+                   help="stop measuring after S seconds; candidates go by rank, every kernel's "
+                        "first before any kernel's second, largest share of the model first")
     r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
     r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
     r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")

@@ -303,12 +303,15 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
               runner=None, data_dir: str | Path | None = None, exclude_networks=frozenset(),
               tune_missing: int = 0, check: bool = True, time_model: bool = True,
               untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
-              on_progress=None) -> Result:
+              measure_budget_s: float | None = None, on_progress=None) -> Result:
     """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
 
     ``top_k`` defaults to the k chosen when the ranker was trained (its metadata). Kernels
     under ``minor_share`` of the untuned model time (weight x untuned latency) get only their
     top-1 candidate: more could not move the model's latency by more than a fraction of that.
+    With ``measure_budget_s``, measuring stops once that many seconds have gone (after at least
+    one batch): candidates are measured by rank, every kernel's first before any kernel's second,
+    and larger shares of the untuned model first, so a short budget still covers every kernel.
     Measurements are appended to ``data_dir/measurements/<model>.jsonl`` as they finish (the
     collector's format, so ``ttrank train`` learns from them), and a rerun reuses them.
     """
@@ -382,7 +385,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
         total = sum(k.weight * (reports[k.name].untuned_s or 0.0) for k in kernels)
 
-        todo: list[tuple[object, object]] = []  # (kernel, transferred candidate) to measure
+        todo: list[tuple[object, object, int]] = []  # (kernel, transferred candidate, its place)
+        shares: dict[str, float] = {}
         for k in kernels:
             rep = reports[k.name]
             if not ranked[k.name]:
@@ -391,6 +395,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
             rep.top_k = top_k if share >= minor_share else 1
             picked = []  # transfer in rank order until k candidates apply (a rejection costs little)
+            shares[k.name] = share
             for c in ranked[k.name]:
                 if len(picked) >= rep.top_k:
                     break
@@ -406,13 +411,19 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                     rep.rejections.append((c.record.id, t.reason))
                     continue
                 picked.append((t, None))
-                todo.append((k, t))
+                todo.append((k, t, len(picked) - 1))
             picked_of[k.name] = picked
             progress("transferring", len(picked_of), len(kernels), k.name)
 
+        # every kernel's first candidate before any kernel's second; big shares of the model first
+        todo.sort(key=lambda x: (x[2], -shares[x[0].name]))
         chunk = MEASURE_CHUNK
+        unmeasured = 0
         for s in range(0, len(todo), chunk):
-            part = todo[s:s + chunk]
+            if measure_budget_s is not None and s > 0 and time.time() - t0 > measure_budget_s:
+                unmeasured = len(todo) - s
+                break
+            part = [(k, t) for k, t, _ in todo[s:s + chunk]]
             results = measurer.measure([t.mod for _, t in part],
                                        references=[(k.mod, k.workload_hash) for k, _ in part])
             rows = []
@@ -435,9 +446,12 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             rep = reports[k.name]
             if k.name not in picked_of:
                 continue
-            best = None
+            best, waited = None, 0
             for rank_pos, (t, r) in enumerate(picked_of[k.name]):
                 r = r or fresh.get(id(t))
+                if r is None:  # its turn came after the measuring budget
+                    waited += 1
+                    continue
                 rep.measured.append({"donor": t.record.id, "rank": rank_pos, "score": t.score,
                                      "status": r["status"], "latency_s": r["latency_s"]})
                 if r["status"] != "ok":
@@ -446,8 +460,11 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                     continue
                 if best is None or r["latency_s"] < best[1]["latency_s"]:
                     best = (t, r, rank_pos)
-            if best is None:
-                rep.why = "every measured candidate failed"
+            if best is None and waited and not rep.measured:
+                rep.why = "the measuring budget ran out before its turn"
+            elif best is None:
+                rep.why = ("every measured candidate failed" if rep.measured else
+                           "no candidate applied to this kernel")
             elif rep.untuned_s is not None and best[1]["latency_s"] >= rep.untuned_s:
                 rep.why = "no candidate beat the untuned kernel"
             else:
@@ -543,7 +560,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                    "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                    "total": round(time.time() - t_start, 2)},
                   str(target), compiled, {**provenance(target), "fast_math": model.fast_math,
-                                          "top_k": top_k, "minor_share": minor_share})
+                                          "top_k": top_k, "minor_share": minor_share,
+                                          "measure_budget_s": measure_budget_s,
+                                          "candidates_left_unmeasured": unmeasured})
 
 
 def write_database(db_dir: Path, kernels, chosen: dict, target, reports=None, extra_db=None):
