@@ -276,8 +276,8 @@ def product_rows(nets: list[str]) -> dict:
     path = RESULTS / "recommend_zoo.json"
     zoo = json.loads(path.read_text()) if path.exists() else {}
     out = {}
-    for net in nets:
-        r = zoo.get(net)
+    for key in [k for net in nets for k in (net, f"{net} --fast-math")]:
+        r, net = zoo.get(key), key
         if not r or "error" in r:
             continue
         lat = r["model_latency_ms"]

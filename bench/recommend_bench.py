@@ -138,8 +138,8 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
                         for n in w}}
 
 
-def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False
-                  ) -> tuple[dict, float, int, list[str]]:
+def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False,
+                  extra: tuple[str, ...] = ()) -> tuple[dict, float, int, list[str]]:
     """``ttrank recommend zoo:NET --leave-one-out`` as a user runs it, with a fresh data dir in
     ``tmp``: (the --json report, wall seconds, processes paused, the command)."""
     rep_path = tmp / "report.json"
@@ -147,6 +147,7 @@ def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = F
            "--data-dir", str(tmp / "data"), "-o", str(tmp / f"{net}.so"), "--json", str(rep_path)]
     if top_k:
         cmd += ["--top-k", str(top_k)]
+    cmd += list(extra)
     # the zoo model is exported before the clock starts: a user already has their file
     subprocess.run(["ttrank", "zoo", "export", net, str(tmp / "warm.onnx")], check=True, capture_output=True)
     with paused_background(pause) as paused:
