@@ -109,6 +109,10 @@ def main() -> int:
         if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
             return 0
         commit("recommend on every zoo network", args.commit)
+        # the builder benchmark of #3, again on a machine with nothing else running
+        if run([py, "bench/builder_speed.py", "--skip-if-current"], deadline) < 0:
+            return 0
+        commit("builder speed benchmark", args.commit)
     if "collect" in args.steps:
         for net in ORDER:
             if run(["ttrank", "collect", net, "--max-per-kernel", "24", "--budget-minutes", "{left}",
