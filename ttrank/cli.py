@@ -318,7 +318,9 @@ def cmd_recommend(args) -> int:
                                output=output, database_dir=args.database, runner=_runner_spec(args),
                                data_dir=args.data_dir, exclude_networks=exclude,
                                tune_missing=args.tune_missing, minor_share=args.minor_share,
-                               measure_budget_s=args.measure_seconds, on_progress=on_progress)
+                               measure_budget_s=(args.measure_seconds
+                                                 if args.measure_seconds < float("inf") else None),
+                               on_progress=on_progress)
     _print_report(con, res)
     if args.json:
         from .util import atomic_write_json
@@ -548,9 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--minor-share", type=float, default=0.002, metavar="FRACTION",
                    help="kernels under this share of the untuned model time get only their top-1 "
                         "candidate (default 0.002; 0 measures top-k everywhere)")
-    r.add_argument("--measure-seconds", type=float, default=None, metavar="S",
-                   help="stop measuring after S seconds; candidates go by rank, every kernel's "
-                        "first before any kernel's second, largest share of the model first")
+    r.add_argument("--measure-seconds", type=float, default=120.0, metavar="S",
+                   help="stop measuring after S seconds (default 120, so that recommend stays near "
+                        "3 minutes on 2 cores; 'inf' for no limit); candidates go by rank, every "
+                        "kernel's first before any kernel's second, largest share of the model first")
     r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
     r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
     r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")
