@@ -244,7 +244,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                 continue
             kernels = kernels_of(kfile)
             # one group per kernel and CPU: latencies from different CPUs never share a ranking
-            by_kernel: dict[tuple[str, str], dict[str, dict]] = {}
+            by_kernel: dict[tuple[str, tuple], dict[str, dict]] = {}
             for row in read_jsonl(table):
                 if row.get("record") == UNTUNED or row["workload"] not in kernels \
                         or (row.get("adapt") or "ttrank") != "ttrank":
