@@ -11,6 +11,7 @@ Steps (each resumes where the last session stopped; a finished step is skipped q
   4. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
                from scratch, one runtime thread per core, in datasets/metaschedule_long/
   5. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
+  6. builder   bench/builder_speed.py again on an idle machine (for #3, already resolved)
 Run one copy at a time (it refuses to start when another is running).
 """
 
@@ -80,7 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--commit", action="store_true", help="git-commit datasets/ after each step")
-    ap.add_argument("--steps", nargs="+", default=["donors", "recommend", "collect", "long", "evaluate"])
+    ap.add_argument("--steps", nargs="+", default=["donors", "recommend", "collect", "long", "evaluate", "builder"])
     args = ap.parse_args()
     import psutil
 
@@ -109,10 +110,6 @@ def main() -> int:
         if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
             return 0
         commit("recommend on every zoo network", args.commit)
-        # the builder benchmark of #3, again on a machine with nothing else running
-        if run([py, "bench/builder_speed.py", "--skip-if-current"], deadline) < 0:
-            return 0
-        commit("builder speed benchmark", args.commit)
     if "collect" in args.steps:
         for net in ORDER:
             if run(["ttrank", "collect", net, "--max-per-kernel", "24", "--budget-minutes", "{left}",
@@ -137,6 +134,11 @@ def main() -> int:
     if "evaluate" in args.steps:
         if run([py, "bench/paper_table.py", "--measure", "--budget-minutes", "{left}"], deadline) >= 0:
             commit("Paper table measurements", args.commit)
+    if "builder" in args.steps:
+        # the builder benchmark of #3 (resolved), again on a machine with nothing else running;
+        # last, because the open issues need the compute first
+        if run([py, "bench/builder_speed.py", "--skip-if-current"], deadline) >= 0:
+            commit("builder speed benchmark", args.commit)
     return 0
 
 

@@ -171,6 +171,7 @@ def main() -> int:
                     help="do nothing if the result was measured with the donor networks there are now")
     args = ap.parse_args()
     net = args.network
+    from ttrank.cli import MEASURE_SECONDS
     from ttrank.donors import DonorStore
     from ttrank.target import provenance, runtime_threads
     from ttrank.util import atomic_write_json
@@ -178,8 +179,10 @@ def main() -> int:
     path = Path(args.out) if args.out else RESULTS / f"recommend_{net}.json"
     available = sorted(n for n in DonorStore.load().networks if n != net)
     ms_dir = metaschedule_dir(net)
-    # a result is current while the donors, the runtime's threads and MetaSchedule's run are
+    # a result is current while the donors, the runtime's threads, recommend's measuring budget
+    # and MetaSchedule's run are
     state = {"donor_networks_available": available, "threads": runtime_threads(),
+             "measure_seconds": MEASURE_SECONDS,
              "metaschedule_run": str(ms_dir.relative_to(ROOT)) if ms_dir else None}
     if args.skip_if_current and path.exists():
         old = json.loads(path.read_text())

@@ -16,6 +16,10 @@ from .errors import TTRankError
 log = logging.getLogger("ttrank")
 
 
+
+# recommend stops measuring after this long by default: 3 minutes on 2 cores for ResNet-50
+MEASURE_SECONDS = 120.0
+
 def _console():
     from rich.console import Console
 
@@ -550,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--minor-share", type=float, default=0.002, metavar="FRACTION",
                    help="kernels under this share of the untuned model time get only their top-1 "
                         "candidate (default 0.002; 0 measures top-k everywhere)")
-    r.add_argument("--measure-seconds", type=float, default=120.0, metavar="S",
+    r.add_argument("--measure-seconds", type=float, default=MEASURE_SECONDS, metavar="S",
                    help="stop measuring after S seconds (default 120, so that recommend stays near "
                         "3 minutes on 2 cores; 'inf' for no limit); candidates go by rank, every "
                         "kernel's first before any kernel's second, largest share of the model first")
