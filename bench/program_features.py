@@ -8,8 +8,10 @@ own XGBoost cost model) is extracted from the transferred program, reduced to a 
 (max and mean over stores: the group "m"). The ranker is then evaluated leave-one-network-out
 on ttrank's feature groups alone, with "m" added, and on "m" with the target shape alone.
 
-The extraction takes about 0.1 s per candidate, so it is cached per network under
-~/.cache/ttrank/program_features/ (recomputed when the rows change). Writes
+The extraction (ttrank.programs.candidate_vectors) takes 0.1-0.3 s per candidate, so it is
+cached per network under ~/.cache/ttrank/program_features/ (recomputed when the rows change).
+The second stage that recommend actually uses (a cost model pre-trained on the donors' tuning
+logs, blended on the ranker's shortlist) is evaluated by train.py and bench/ranker_eval.py. Writes
 bench/results/program_features.json. The answer decides whether recommend should pay that cost
 per candidate at ranking time.
 """
@@ -17,62 +19,12 @@ per candidate at ranking time.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-N_PSF = 164
-
-
-def program_vector(mod, target, extractor, context) -> np.ndarray:
-    """MetaSchedule's per-store features of a scheduled PrimFunc module: max and mean over stores."""
-    from tvm import s_tir
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
-    func = mod[[gv for gv in mod.functions][0]]
-    cand = ms.MeasureCandidate(s_tir.Schedule(mod), ArgInfo.from_prim_func(func))
-    f = extractor.extract_from(context, [cand])[0].numpy()
-    if f.size == 0:
-        return np.zeros(2 * N_PSF, dtype=np.float32)
-    return np.concatenate([f.max(axis=0), f.mean(axis=0)]).astype(np.float32)
-
-
-def network_features(net: str, metas: list[dict], store, target, cache_dir: Path) -> dict:
-    """(workload, record) -> program vector for the rows of ``net``, from cache when current."""
-    import ttrank
-    from tvm.s_tir import meta_schedule as ms
-
-    from ttrank.kernels import extract
-    from ttrank.transfer import transfer
-
-    keys = sorted({(m["workload"], m["record"]) for m in metas})
-    digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:12]
-    path = cache_dir / f"{net}-{digest}.npz"
-    if path.exists():
-        z = np.load(path, allow_pickle=False)
-        return {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
-    kernels = {k.workload_hash: k for k in extract(ttrank.load(f"zoo:{net}").mod, target)}
-    rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
-    extractor = ms.feature_extractor.PerStoreFeature(extract_workload=False)
-    context = ms.TuneContext(target=target)
-    out, t0 = {}, time.time()
-    for wh, rid in keys:
-        w, r = rec_of[rid]
-        c = transfer(r, kernels[wh], w, target)
-        out[(wh, rid)] = (program_vector(c.mod, target, extractor, context) if c.ok
-                          else np.full(2 * N_PSF, np.nan, dtype=np.float32))
-    print(f"  {net}: {len(keys)} candidates in {time.time() - t0:.0f} s", flush=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez_compressed(tmp, keys=np.array([f"{a}|{b}" for a, b in out]), X=np.stack(list(out.values())))
-    tmp.rename(path)
-    return out
 
 
 def main() -> int:
@@ -90,7 +42,8 @@ def main() -> int:
     from ttrank.ranker import Ranker
     from ttrank.target import make_target, provenance
     from ttrank.training import DATASET_MEASUREMENTS
-    from ttrank.util import atomic_write_json, cache_dir
+    from ttrank.programs import N_PSF, candidate_vectors
+    from ttrank.util import atomic_write_json
 
     target = make_target(None)
     store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()), target=target)
@@ -98,12 +51,7 @@ def main() -> int:
     if len(ds.networks) < 2:
         print("need measurements of at least two networks")
         return 1
-    feats: dict = {}
-    for net in ds.networks:
-        feats.update({(net, *k): v for k, v in network_features(
-            net, [m for m in ds.meta if m["network"] == net], store, target,
-            cache_dir() / "program_features").items()})
-    M = np.stack([feats[(m["network"], m["workload"], m["record"])] for m in ds.meta])
+    M = candidate_vectors(ds, store, target)
     X = np.concatenate([ds.X, M], axis=1)
     full = Dataset(X, ds.y, ds.groups, ds.meta)
     m_cols = list(range(len(FEATURE_NAMES), X.shape[1]))

@@ -23,6 +23,8 @@ KEYS = ("top1", "top3", "top5", "ndcg5", "within5")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trees", type=int, default=300)
+    ap.add_argument("--no-programs", action="store_true",
+                    help="skip the second stage (program cost model): no transfers, much faster")
     ap.add_argument("--objective", default=None,
                     help="default: every objective, the best by leave-one-out (mean of top-1 and top-3)")
     args = ap.parse_args()
@@ -44,11 +46,38 @@ def main() -> None:
     nets = sorted(res["networks"])
     spans = {net: [a for a, _ in _groups(ds) if ds.meta[a]["network"] == net] for net in nets}
 
+    def per_net_all(scores) -> dict:
+        """networks and average over every metric key (the top-k curve too)"""
+        out = {net: evaluate(ds, scores, spans[net]) for net in nets}
+        vals = [v for v in out.values() if v]
+        return {"networks": out, "average": {k: float(np.mean([v[k] for v in vals])) for k in vals[0]}}
+
     def per_net(scores):
         out = {net: evaluate(ds, scores, spans[net]) for net in nets}
         return out, {k: float(np.mean([out[n][k] for n in nets if out[n]])) for k in KEYS} if nets else {}
 
+    # the second stage: the cost model pre-trained on the donors' tuning logs, blended on the
+    # ranker's shortlist (ttrank.programs); "ttrank" below is what recommend runs
+    stage2 = None
+    if not args.no_programs:
+        from ttrank.programs import loo_cost_scores, rerank_spans
+        from ttrank.target import make_target
+        from ttrank.training import choose_stage2
+
+        target = make_target(None)
+        cost = loo_cost_scores(ds, store, target, [Path(r.work_dir) for r in store.reports])
+        stage2 = choose_stage2(ds, res["scores"], cost)
+        alone = per_net_all(res["scores"])
+        if stage2["enabled"]:
+            scores = rerank_spans(_groups(ds), res["scores"], cost, stage2["weight"], stage2["shortlist"])
+            res = {**per_net_all(scores), "scores": scores}
+
     baselines, baseline_nets = {}, {}
+    if stage2 is not None:
+        baselines["ranker alone"] = {k: alone["average"][k] for k in KEYS}
+        baseline_nets["ranker alone"] = alone["networks"]
+        c = np.where(np.isnan(cost), -np.inf, cost)
+        baseline_nets["cost model alone"], baselines["cost model alone"] = per_net(c)
     rnd = [per_net(baseline_scores(ds, "random", seed=s))[1] for s in range(5)]
     baselines["random"] = {k: float(np.mean([r[k] for r in rnd])) for k in KEYS}
     baseline_nets["nearest_shape"], baselines["nearest_shape"] = per_net(baseline_scores(ds, "nearest_shape"))
@@ -84,14 +113,19 @@ def main() -> None:
            "config_note": "each config's leave-one-out scores are the mean over 3 seeds",
            "top_k_curve": curve, "chosen_top_k": choose_top_k(res["average"], max_k=5),
            "rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "networks": res["networks"],
-           "average": {k: res["average"][k] for k in KEYS if k in res["average"]}, "baselines": baselines, "baseline_networks": baseline_nets,
+           "average": {k: res["average"][k] for k in KEYS if k in res["average"]}, "baselines": baselines,
+           "baseline_networks": baseline_nets,
+           "stage2": ({k: v for k, v in stage2.items() if k != "table"} | {
+               "table": {k: v["average"] for k, v in stage2["table"].items()}}) if stage2 else None,
            "note": "top-k score (TenSet): best latency among all measured candidates / best among "
                    "the top-k, weighted by kernel weight x best latency; paper = one hand-picked "
                    "donor network, all its candidates measured",
            "provenance": provenance()}
     res_dir = ROOT / "bench" / "results"
     atomic_write_json(res_dir / "ranker_eval.json", out)
-    lines = [f"# Ranker evaluation (leave-one-network-out, ranker {best})", "",
+    how = (f"ranker {best}, then the program cost model blended on its top {stage2['shortlist']} "
+           f"(weight {stage2['weight']})" if stage2 and stage2["enabled"] else f"ranker {best}")
+    lines = [f"# Ranker evaluation (leave-one-network-out, {how})", "",
              f"{out['rows']} measured candidates in {out['kernel_groups']} kernel groups, "
              f"{len(nets)} target networks.", "",
              "| network | top-1 | top-3 | top-5 | NDCG@5 | top-1 within 5% | paper | nearest-shape top-3 |",
@@ -116,6 +150,7 @@ def main() -> None:
               "", "Ranker settings compared (leave-one-out, mean over 3 seeds; chosen by mean of top-1 and top-3): " +
               "; ".join(f"{o}: top-1 {r['average']['top1']:.3f}, top-3 {r['average']['top3']:.3f}"
                         for o, r in runs.items() if r["average"]),
+              "", _stage2_text(stage2),
               "", "Top-k score against k (how many candidates `recommend` measures per kernel): " +
               ", ".join(f"k={k}: {v:.3f}" for k, v in ((k, curve[f'top{k}']) for k in KS) if v is not None),
               f"Default k: {out['chosen_top_k']} (the smallest k reaching 0.97, else the point where one more "
@@ -124,6 +159,17 @@ def main() -> None:
     atomic_write_text(res_dir / "ranker_eval.md", "\n".join(lines) + "\n")
     _plot(res_dir / "ranker_eval.png", a, baselines)
     print("\n".join(lines))
+
+
+def _stage2_text(stage2: dict | None) -> str:
+    if not stage2:
+        return "Second stage (program cost model): not evaluated (--no-programs)."
+    t = stage2["table"]
+    head = (f"Second stage (a cost model pre-trained on the donors' tuning logs, blended on the ranker's "
+            f"shortlist; leave-one-out, seed 0): {'kept' if stage2['enabled'] else 'left out'}, "
+            f"gain {stage2['gain']:+.3f} in the mean of top-1 and top-3. ")
+    return head + "; ".join(f"{k}: top-1 {v['average']['top1']:.3f}, top-3 {v['average']['top3']:.3f}"
+                            for k, v in t.items() if v["average"])
 
 
 def _fmt(v: float | None) -> str:

@@ -220,7 +220,10 @@ def main() -> int:
         "metaschedule": ms,
         "background_paused": paused,
         "provenance": provenance(),
-        "note": "recommend ran with background work paused and a fresh data dir. Afterwards, in one "
+        "note": ("recommend ran with background work paused" if paused else
+                 "recommend ran as the machine's only measuring job (background_paused 0: nothing was "
+                 "running, or it was a step of bench/background.py itself)") +
+                " and a fresh data dir. Afterwards, in one "
                 "run, the untuned kernels, every step of MetaSchedule's curve (the trial that set "
                 "each batch's new best) and ttrank's chosen schedules were re-measured kernel by "
                 "kernel, and both whole models timed in alternation (side_by_side_ms). Time to "

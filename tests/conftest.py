@@ -16,7 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 os.environ.setdefault("TVM_NUM_THREADS", "1")
 os.environ.setdefault("TTRANK_CACHE", str(Path(__file__).parent.parent / ".pytest-cache-ttrank"))
 
-from ttrank import zoo  # noqa: E402
+from ttrank import collect, donors, frontend, measure, zoo  # noqa: E402
+from ttrank.features import FEATURE_NAMES  # noqa: E402
+from ttrank.ranker import Ranker  # noqa: E402
 
 
 DONOR_KERNELS = ["fused_conv2d1_add1_relu1", "fused_conv2d4_add3", "fused_matmul_add8"]
@@ -101,4 +103,34 @@ def unsupported_op_model(model_dir) -> Path:
     m.ir_version = 8
     path = model_dir / "det.onnx"
     onnx.save(m, str(path))
+    return path
+
+
+def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out) -> collect.CollectStats:
+    store = donors.DonorStore.load([donor_dir])
+    m = measure.Measurer(target)
+    try:
+        # tiny_resnet is also the "paper's" hand-picked donor: exact-class matches, tiles as-is
+        return collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
+                               max_per_kernel=12, paper_donor="tiny_resnet")
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="session")
+def measurements(donor_dir, tiny_cnn, target, tmp_path_factory) -> Path:
+    """Real cross-measurements: tiny_resnet's schedules on tiny_cnn's kernels."""
+    out = tmp_path_factory.mktemp("measurements")
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, out)
+    assert stats.measured > 0 and stats.valid > 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained(measurements, donor_dir, tmp_path_factory) -> Path:
+    store = donors.DonorStore.load([donor_dir])
+    ds = collect.build_dataset([measurements], store)
+    assert ds.X.shape[1] == len(FEATURE_NAMES) and len(ds.groups) >= 2
+    path = tmp_path_factory.mktemp("models") / "ranker.json"
+    Ranker(objective="rank:pairwise", n_estimators=40).fit(ds.X, ds.y, ds.groups).save(path, note="test")
     return path

@@ -18,34 +18,7 @@ from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
 from ttrank.ranker import Ranker, meta_path
 
 
-def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out) -> collect.CollectStats:
-    store = donors.DonorStore.load([donor_dir])
-    m = measure.Measurer(target)
-    try:
-        # tiny_resnet is also the "paper's" hand-picked donor: exact-class matches, tiles as-is
-        return collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
-                               max_per_kernel=12, paper_donor="tiny_resnet")
-    finally:
-        m.close()
-
-
-@pytest.fixture(scope="session")
-def measurements(donor_dir, tiny_cnn, target, tmp_path_factory) -> Path:
-    """Real cross-measurements: tiny_resnet's schedules on tiny_cnn's kernels."""
-    out = tmp_path_factory.mktemp("measurements")
-    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, out)
-    assert stats.measured > 0 and stats.valid > 0
-    return out
-
-
-@pytest.fixture(scope="session")
-def trained(measurements, donor_dir, tmp_path_factory) -> Path:
-    store = donors.DonorStore.load([donor_dir])
-    ds = collect.build_dataset([measurements], store)
-    assert ds.X.shape[1] == len(FEATURE_NAMES) and len(ds.groups) >= 2
-    path = tmp_path_factory.mktemp("models") / "ranker.json"
-    Ranker(objective="rank:pairwise", n_estimators=40).fit(ds.X, ds.y, ds.groups).save(path, note="test")
-    return path
+from conftest import _collect_tiny_cnn  # noqa: E402
 
 
 def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):

@@ -30,15 +30,18 @@ def _as_model(model, input_shapes=None):
 
 
 def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, target=None,
-         exclude_networks=(), input_shapes=None):
+         exclude_networks=(), input_shapes=None, programs: bool = True):
     """Rank donor schedules without measuring.
 
     For a :class:`~ttrank.kernels.Kernel`, the list of its best ``k`` Candidates (all if None);
     for a model (path or LoadedModel), a dict kernel name -> that list. Each Candidate carries
     the donor record (id, network, kernel, trace), the predicted score and the features.
+    ``programs``: apply the ranker's second stage, if its evaluation kept one, as ``recommend``
+    does (the shortlist is transferred and reordered by the program cost model, at 0.1-0.3 s
+    per shortlisted candidate; those Candidates carry ``cost_score``).
     """
     from .donors import DonorStore
-    from .engine import rank_kernel
+    from .engine import rank_kernel, rerank_kernel, second_stage
     from .kernels import Kernel, extract
     from .ranker import Ranker
     from .target import make_target
@@ -46,11 +49,19 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
     target = target if target is not None else make_target()
     store = store if store is not None else DonorStore.load()
     ranker = ranker if ranker is not None else Ranker.load()
+    exclude = set(exclude_networks)
+    stage = second_stage(ranker, store, target, exclude) if programs else None
+
+    def one(kern):
+        cands = rank_kernel(kern, store, ranker, exclude)
+        if stage is not None:
+            cands, _ = rerank_kernel(kern, cands, stage, target)
+        return cands[:k]
+
     if isinstance(model_or_kernel, Kernel):
-        return rank_kernel(model_or_kernel, store, ranker, set(exclude_networks))[:k]
+        return one(model_or_kernel)
     model = _as_model(model_or_kernel, input_shapes)
-    return {kern.name: rank_kernel(kern, store, ranker, set(exclude_networks))[:k]
-            for kern in extract(model.mod, target)}
+    return {kern.name: one(kern) for kern in extract(model.mod, target)}
 
 
 def recommend(model, *, input_shapes=None, **kwargs) -> Result:

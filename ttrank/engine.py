@@ -291,6 +291,49 @@ def rank_kernel(kernel, store, ranker, exclude_networks=frozenset()) -> list:
     return cands
 
 
+def second_stage(ranker, store, target, exclude_networks=frozenset()):
+    """The ranker's second stage, if its evaluation enabled one: (blend weight, shortlist
+    length, cost model, featurizer), else None. Leave-one-out runs get a cost model that never
+    saw the excluded networks' tuning logs."""
+    from .programs import DEFAULT_COST_MODEL, CostModel, Featurizer, cost_model_without
+
+    st = ranker.metadata.get("stage2") or {}
+    if not st.get("enabled"):
+        return None
+    if exclude_networks:
+        cm = cost_model_without(exclude_networks, [Path(r.work_dir) for r in store.reports], target)
+    else:
+        path = Path(ranker.path).with_name(st["cost_model"]) if ranker.path else DEFAULT_COST_MODEL
+        cm = CostModel.load(path)
+    return float(st["weight"]), int(st["shortlist"]), cm, Featurizer(target)
+
+
+def rerank_kernel(kernel, cands: list, stage, target) -> tuple[list, dict]:
+    """Transfer the ranker's shortlist onto ``kernel``, score the programs with the cost model
+    and reorder the shortlist by the blend. Returns (candidates, transferred by record id)."""
+    import numpy as np
+
+    from .programs import WIDTH, blend
+    from .transfer import transfer
+
+    weight, n, cost_model, featurizer = stage
+    short = cands[:n]
+    if len(short) < 2:
+        return cands, {}
+    done, vecs = {}, []
+    for c in short:
+        t = transfer(c.record, kernel, c.donor, target)
+        t.score, t.features = c.score, c.features
+        done[c.record.id] = t
+        vecs.append(featurizer.of_module(t.mod) if t.ok else np.full(WIDTH, np.nan, dtype=np.float32))
+    cost = cost_model.predict(np.stack(vecs)).astype(np.float64)
+    cost[np.isnan(np.stack(vecs)).any(axis=1)] = np.nan
+    for c, v in zip(short, cost):
+        c.cost_score = done[c.record.id].cost_score = None if np.isnan(v) else float(v)
+    order = np.argsort(-blend(np.array([c.score for c in short]), cost, weight), kind="stable")
+    return [short[i] for i in order] + cands[n:], done
+
+
 def _cache_rows(path: Path) -> dict[tuple[str, str], dict]:
     from .collect import measurement_key
     from .util import read_jsonl
@@ -356,6 +399,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks)
         reports[k.name].candidates = len(ranked[k.name])
         progress("ranking", i + 1, len(kernels), k.name)
+    # the second stage (cost model on the transferred shortlist) runs per kernel below, once the
+    # kernel's share of the model is known: minor kernels measure only their top-1
+    stage2 = second_stage(ranker, store, target, exclude_networks)
     t_rank = time.time() - t0
 
     # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
@@ -396,6 +442,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             rep.top_k = top_k if share >= minor_share else 1
             picked = []  # transfer in rank order until k candidates apply (a rejection costs little)
             shares[k.name] = share
+            pre: dict = {}
+            if stage2 and rep.top_k > 1:
+                ranked[k.name], pre = rerank_kernel(k, ranked[k.name], stage2, target)
             for c in ranked[k.name]:
                 if len(picked) >= rep.top_k:
                     break
@@ -405,8 +454,10 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                         rep.rejections.append((c.record.id, cached_row.get("reason", cached_row["status"])))
                     picked.append((c, cached_row))
                     continue
-                t = transfer(c.record, k, c.donor, target)
-                t.score, t.features = c.score, c.features
+                t = pre.get(c.record.id)
+                if t is None:
+                    t = transfer(c.record, k, c.donor, target)
+                    t.score, t.features = c.score, c.features
                 if not t.ok:
                     rep.rejections.append((c.record.id, t.reason))
                     continue
@@ -435,8 +486,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                      "status": m.status if not m.ok else "ok",
                      "reason": m.error[:300], "latency_s": m.latency_s,
                      "untuned_s": reports[k.name].untuned_s, "method": t.method, "adapt": t.adapt,
-                     "tile_changes": len(t.tile_changes), "score": t.score, "provenance": prov,
-                     "target_key": tkey}
+                     "tile_changes": len(t.tile_changes), "score": t.score, "cost_score": t.cost_score,
+                     "provenance": prov, "target_key": tkey}
                 rows.append(r)
                 fresh[id(t)] = r
             append_jsonl(table, rows)
@@ -453,7 +504,8 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                     waited += 1
                     continue
                 rep.measured.append({"donor": t.record.id, "rank": rank_pos, "score": t.score,
-                                     "status": r["status"], "latency_s": r["latency_s"]})
+                                     "cost_score": t.cost_score, "status": r["status"],
+                                     "latency_s": r["latency_s"]})
                 if r["status"] != "ok":
                     if (t.record.id, r.get("reason")) not in rep.rejections:
                         rep.rejections.append((t.record.id, r.get("reason") or r["status"]))
@@ -470,15 +522,15 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             else:
                 t, r, pos = best
                 if t.trace is None:  # measured in an earlier run: re-apply (deterministic)
-                    score = t.score
+                    scores = t.score, t.cost_score
                     t = transfer(t.record, k, t.donor, target)
-                    t.score = score
+                    t.score, t.cost_score = scores
                 if t.ok:
                     chosen[k.name] = t
                     rep.status = "tuned"
                     rep.chosen = {"donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
                                   "record": t.record.id, "rank": pos, "score": t.score,
-                                  "latency_s": r["latency_s"], "method": t.method,
+                                  "cost_score": t.cost_score, "latency_s": r["latency_s"], "method": t.method,
                                   "tile_changes": [c.to_json() for c in t.tile_changes]}
     finally:
         measurer.close()

@@ -52,6 +52,7 @@ class Ranker:
         self._cols = group_columns(self.feature_groups)
         self.booster = None
         self.metadata: dict[str, Any] = {}
+        self.path: Path | None = None  # where it was loaded from (its cost model lives beside it)
 
     def get_params(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("objective", "n_estimators", "max_depth",
@@ -147,6 +148,7 @@ class Ranker:
         except Exception as e:
             raise RankerError(f"{path}: not a readable XGBoost model ({str(e).splitlines()[0]})") from None
         r.metadata = meta
+        r.path = path
         return r
 
 

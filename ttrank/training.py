@@ -88,11 +88,50 @@ def select_config(ds: Dataset, configs: list[dict], n_estimators: int = 300,
     return next(c for c in configs if config_label(c) == best), results
 
 
+STAGE2_WEIGHTS = (0.3, 0.5, 0.7)
+STAGE2_SHORTLISTS = (5, 10, 20)
+
+
+def choose_stage2(ds: Dataset, ranker_scores: np.ndarray, cost_scores: np.ndarray,
+                  weights: tuple[float, ...] = STAGE2_WEIGHTS,
+                  shortlists: tuple[int, ...] = STAGE2_SHORTLISTS) -> dict:
+    """Leave-one-network-out: does reordering the ranker's shortlist with the program cost model
+    help, and with which blend weight and shortlist length? Enabled only if it beats the ranker
+    alone on the mean of top-1 and top-3 by at least half a point."""
+    from .evaluate import _groups
+    from .programs import rerank_spans
+
+    spans = _groups(ds)
+    nets = ds.networks
+
+    def average(scores) -> dict:
+        per = {n: evaluate(ds, scores, [a for a, _ in spans if ds.meta[a]["network"] == n]) for n in nets}
+        per = [v for v in per.values() if v]
+        return {k: float(np.mean([v[k] for v in per])) for k in per[0]} if per else {}
+
+    def goal(a: dict) -> float:
+        return (a.get("top1", 0.0) + a.get("top3", 0.0)) / 2
+
+    table = {"ranker alone": {"weight": 1.0, "shortlist": 0, "average": average(ranker_scores)}}
+    for n in shortlists:
+        for w in weights:
+            table[f"w{w} n{n}"] = {"weight": w, "shortlist": n,
+                                   "average": average(rerank_spans(spans, ranker_scores, cost_scores, w, n))}
+    best = max(table, key=lambda k: goal(table[k]["average"]))
+    gain = goal(table[best]["average"]) - goal(table["ranker alone"]["average"])
+    out = {**table[best], "enabled": best != "ranker alone" and gain >= 0.005, "gain": gain, "table": table}
+    if not out["enabled"]:
+        out.update(table["ranker alone"], enabled=False)
+    return out
+
+
 def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None = None,
           out: str | Path = DEFAULT_MODEL, objectives: tuple[str, ...] = OBJECTIVES,
-          n_estimators: int = 300, ds: Dataset | None = None) -> dict:
+          n_estimators: int = 300, ds: Dataset | None = None, programs: bool = True,
+          target=None) -> dict:
     """Train and save the ranker; returns the evaluation report. ``ds``: the dataset, if the
-    caller already built it from the same dirs and store."""
+    caller already built it from the same dirs and store. ``programs``: also evaluate the second
+    stage (:mod:`ttrank.programs`) and, if it helps, save its cost model beside the ranker."""
     from .errors import TTRankError
     from .target import provenance
 
@@ -116,6 +155,25 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report["objective"] = best["objective"]
     loo = report["configs"].get(report["config"], {}).get("average") or {}
     report["leave_one_network_out"] = loo or None
+    stage2 = None
+    if programs and len(ds.networks) >= 2:
+        from .programs import fit_cost_model, loo_cost_scores
+        from .target import make_target
+
+        target = target if target is not None else make_target()
+        work_dirs = [Path(r.work_dir) for r in store.reports]
+        cost = loo_cost_scores(ds, store, target, work_dirs)
+        stage2 = choose_stage2(ds, results[report["config"]]["scores"], cost)
+        report["stage2"] = {k: v for k, v in stage2.items() if k != "table"}
+        report["stage2_table"] = {k: v["average"] for k, v in stage2["table"].items()}
+        if stage2["enabled"]:
+            loo = stage2["average"]
+            cm = fit_cost_model(work_dirs, target)
+            cm_path = Path(out).with_name(Path(out).stem.replace("ranker", "costmodel") + ".json")
+            if cm_path == Path(out):
+                cm_path = Path(out).with_name(Path(out).stem + ".costmodel.json")
+            cm.save(cm_path, **cm.metadata)
+            report["stage2"]["cost_model"] = cm_path.name
     # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores
     report["top_k"] = choose_top_k(loo, max_k=5)
     ranker = Ranker(n_estimators=n_estimators, **best).fit(ds.X, ds.y, ds.groups)
@@ -123,7 +181,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
                 measurement_dirs=[_portable(d) for d in dirs], threads=prov.get("threads"),
-                top_k=report["top_k"],
+                top_k=report["top_k"], stage2=report.get("stage2"),
                 cpu=prov["cpu"], mcpu=prov["mcpu"], tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "configs"})
     report["model"] = str(out)

@@ -67,6 +67,7 @@ class Candidate:
     mod: Any = field(default=None, repr=False)  # the scheduled target IRModule
     trace: Any = field(default=None, repr=False)  # its s_tir.Trace (replays onto kernel.mod)
     score: float | None = None  # the ranker's score
+    cost_score: float | None = None  # the program cost model's (second stage, shortlist only)
     features: dict | None = field(default=None, repr=False)
 
     @property
@@ -82,7 +83,7 @@ class Candidate:
                 "donor_kernel": self.donor.kernel.name, "donor_record": self.record.id,
                 "status": self.status, "reason": self.reason, "method": self.method,
                 "adapt": self.adapt, "tile_changes": [t.to_json() for t in self.tile_changes],
-                "score": self.score}
+                "score": self.score, "cost_score": self.cost_score}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""The second ranking stage: a program cost model pre-trained on donor tuning logs, blended on
+the ranker's shortlist."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from ttrank import programs
+from ttrank.cli import main
+from ttrank.collect import Dataset
+from ttrank.errors import RankerError
+from ttrank.ranker import Ranker
+from ttrank.training import choose_stage2
+
+
+def test_cost_model_learns_from_a_tuning_log(donor_dir, target, tmp_path, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    rs = programs.record_set(donor_dir, target)
+    assert rs.X.shape == (len(rs.latency_s), programs.WIDTH) and len(rs.latency_s) >= 18
+    y = rs.labels()
+    assert ((y >= 0) & (y <= 1)).all()
+    for w in set(rs.workload):  # every workload's best trial is the reference
+        assert y[rs.workload == w].max() == pytest.approx(1.0)
+    again = programs.record_set(donor_dir, target)  # from the cache
+    assert np.array_equal(np.nan_to_num(again.X), np.nan_to_num(rs.X))
+
+    m = programs.fit_cost_model([donor_dir], target, n_estimators=60)
+    pred = m.predict(rs.X)
+    assert np.corrcoef(pred, y)[0, 1] > 0.5  # it learned which programs are good
+    path = m.save(tmp_path / "costmodel.json", **m.metadata)
+    assert np.allclose(programs.CostModel.load(path).predict(rs.X), pred)
+    # a model for another program-feature schema is refused, by name
+    meta = path.with_name("costmodel.meta.json")
+    d = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**d, "program_feature_version": 0}))
+    with pytest.raises(RankerError, match="program features v0"):
+        programs.CostModel.load(path)
+
+
+def _toy(cost_quality: str) -> tuple[Dataset, np.ndarray, np.ndarray]:
+    """Two networks, four kernels each, eight candidates per kernel; one score knows the truth."""
+    rng = np.random.default_rng(0)
+    meta, y, groups, truth = [], [], [], []
+    for net in ("a", "b"):
+        for g in range(4):
+            lat = rng.uniform(1, 3, 8)
+            groups.append(8)
+            for x in lat:
+                meta.append({"network": net, "workload": f"{net}{g}", "weight": 1, "latency_s": x})
+                y.append(lat.min() / x)
+                truth.append(-x)
+    truth, noise = np.array(truth), rng.random(len(y))
+    ranker, cost = (noise, truth) if cost_quality == "good" else (truth, noise)
+    return Dataset(np.zeros((len(y), 1)), np.array(y), groups, meta), ranker, cost
+
+
+def test_second_stage_is_kept_only_where_it_helps():
+    ds, ranker, cost = _toy("good")
+    st = choose_stage2(ds, ranker, cost)
+    assert st["enabled"] and st["gain"] > 0.1 and st["weight"] < 1
+    ds, ranker, cost = _toy("useless")
+    st = choose_stage2(ds, ranker, cost)
+    assert not st["enabled"] and st["weight"] == 1.0 and st["average"]["top1"] == pytest.approx(1.0)
+
+
+def test_recommend_reorders_the_shortlist_with_the_cost_model(trained, donor_dir, tiny_cnn, target,
+                                                               tmp_path, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    # the test ranker with a second stage, its cost model beside it
+    r = Ranker.load(trained)
+    ranker = tmp_path / "models" / "ranker.json"
+    ranker.parent.mkdir()
+    r.save(ranker, stage2={"enabled": True, "weight": 0.5, "shortlist": 4, "cost_model": "costmodel.json"})
+    cm = programs.fit_cost_model([donor_dir], target, n_estimators=30)
+    cm.save(ranker.with_name("costmodel.json"), **cm.metadata)
+    report = tmp_path / "report.json"
+    args = ["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(ranker),
+            "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
+            "--top-k", "2", "--minor-share", "0", "--no-progress"]
+    assert main(args) == 0
+    r = json.loads(report.read_text())
+    assert r["max_abs_error_vs_onnxruntime"] < 1e-3
+    measured = [m for k in r["kernels"] if k["top_k"] > 1 for m in k["measured"]]
+    assert measured and all(m["cost_score"] is not None for m in measured)
+    # a cost model from another schema: one clear error, nothing written as done
+    meta = ranker.with_name("costmodel.meta.json")
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "width": 7}))
+    shutil.rmtree(tmp_path / "data")
+    assert main(args[:-1] + ["--no-progress", "--json", str(tmp_path / "r2.json")]) != 0
+    assert not (tmp_path / "r2.json").exists()

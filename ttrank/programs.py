@@ -1,0 +1,357 @@
+"""The second ranking stage: MetaSchedule's own program features, and a cost model pre-trained
+on every program the donor tuning runs measured.
+
+A donor run keeps only its best few records per kernel in the store, but its tuning log holds
+every trial it measured: tens of thousands of (program, latency) pairs over hundreds of
+workloads, at no extra cost. :class:`CostModel` learns from them how close a program comes to
+the best one found for its workload (MetaSchedule's ``PerStoreFeature``, reduced to max and mean
+over buffer stores). The engine applies it to the ranker's shortlist of each kernel, after the
+donor schedules are transferred onto it, and blends the two scores; the blend weight and the
+shortlist length come from the leave-one-network-out evaluation (``ttrank.training``), which
+keeps the stage only where it helps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import RankerError, TTRankError
+from .util import atomic_write_bytes, atomic_write_json, cache_dir
+
+log = logging.getLogger("ttrank")
+
+PROGRAM_FEATURE_VERSION = 1
+N_PSF = 164  # PerStoreFeature's width per buffer store (TVM 0.27)
+WIDTH = 2 * N_PSF
+DEFAULT_COST_MODEL = Path(__file__).resolve().parent.parent / "models" / "costmodel.json"
+FAILED_S = 1e9  # MetaSchedule logs a failed build or run as 1e10 seconds
+
+
+class Featurizer:
+    """Program vectors of scheduled PrimFuncs for one target (the extractor is reused)."""
+
+    def __init__(self, target):
+        from tvm.s_tir import meta_schedule as ms
+
+        self.target = target
+        self._extractor = ms.feature_extractor.PerStoreFeature(extract_workload=False)
+        self._context = ms.TuneContext(target=target)
+
+    def of_candidates(self, candidates: list) -> np.ndarray:
+        """``MeasureCandidate`` list -> (n, WIDTH) array; NaN rows for programs it cannot read."""
+        if not candidates:
+            return np.zeros((0, WIDTH), dtype=np.float32)
+        try:
+            feats = self._extractor.extract_from(self._context, candidates)
+        except Exception as e:  # one bad program must not lose the batch: go one by one
+            if len(candidates) == 1:
+                log.debug("program features failed: %s", e)
+                return np.full((1, WIDTH), np.nan, dtype=np.float32)
+            return np.concatenate([self.of_candidates([c]) for c in candidates])
+        return np.stack([_reduce(f.numpy()) for f in feats])
+
+    def of_module(self, mod) -> np.ndarray:
+        """The vector of one scheduled module (a transferred candidate's ``mod``)."""
+        from tvm import s_tir
+        from tvm.s_tir import meta_schedule as ms
+        from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+        func = mod[list(mod.functions)[0]]
+        return self.of_candidates([ms.MeasureCandidate(s_tir.Schedule(mod), ArgInfo.from_prim_func(func))])[0]
+
+
+def _reduce(f: np.ndarray) -> np.ndarray:
+    if f.size == 0:
+        return np.zeros(WIDTH, dtype=np.float32)
+    return np.concatenate([f.max(axis=0), f.mean(axis=0)]).astype(np.float32)
+
+
+@dataclass
+class RecordSet:
+    """Every measured trial of one donor run: program vectors, latencies, workload ids."""
+
+    network: str
+    X: np.ndarray
+    latency_s: np.ndarray
+    workload: np.ndarray
+
+    def labels(self) -> np.ndarray:
+        """Relative throughput: the workload's best latency / the trial's; failed trials 0."""
+        return relative_throughput(self.latency_s, self.workload)
+
+
+def relative_throughput(latency_s: np.ndarray, workload: np.ndarray) -> np.ndarray:
+    y = np.zeros(len(latency_s), dtype=np.float32)
+    for w in np.unique(workload):
+        idx = np.where(workload == w)[0]
+        ok = idx[latency_s[idx] < FAILED_S]
+        if len(ok):
+            y[ok] = latency_s[ok].min() / latency_s[ok]
+    return y
+
+
+def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = None) -> RecordSet:
+    """The trials of a donor work_dir as a :class:`RecordSet`; cached by the log's content,
+    since extraction takes about 0.02 s per trial."""
+    import tvm
+    import tvm_ffi
+
+    from .donors import RECORD_FILE, WORKLOAD_FILE, _db_file, open_database
+    from .target import target_key
+    from .util import sha256_of
+
+    work_dir = Path(work_dir)
+    files = [_db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)]
+    if None in files:
+        raise RankerError(f"{work_dir}: not a MetaSchedule work_dir")
+    key = hashlib.sha256(json.dumps([sha256_of(*files), PROGRAM_FEATURE_VERSION, tvm.__version__,
+                                     target_key(target)]).encode()).hexdigest()[:20]
+    path = cache_dir() / "program_features" / "records" / f"{work_dir.name}-{key}.npz"
+    if path.exists():
+        z = np.load(path, allow_pickle=False)
+        return RecordSet(work_dir.name, z["X"], z["latency_s"], z["workload"])
+    featurizer = featurizer or Featurizer(target)
+    want = target_key(target)
+    X, lat, wl = [], [], []
+    for r in open_database(work_dir).get_all_tuning_records():
+        if _record_target_key(r.target) != want:
+            continue
+        secs = [float(s) for s in (r.run_secs or [])]
+        X.append(featurizer.of_candidates([r.as_measure_candidate()])[0])
+        lat.append(min(secs) if secs else 10 * FAILED_S)
+        wl.append(f"{tvm_ffi.structural_hash(r.workload.mod) & 0xFFFFFFFFFFFFFFFF:016x}")
+    rs = RecordSet(work_dir.name, np.asarray(X, dtype=np.float32).reshape(-1, WIDTH),
+                   np.asarray(lat, dtype=np.float64), np.asarray(wl, dtype=str))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(tmp, X=rs.X, latency_s=rs.latency_s, workload=rs.workload)
+    tmp.replace(path)
+    return rs
+
+
+class CostModel:
+    """XGBoost regression from a program vector to its relative throughput on its workload.
+
+    Only the order within one target kernel matters, so the label is per workload (best / own
+    latency), as in MetaSchedule's own cost model.
+    """
+
+    def __init__(self, n_estimators: int = 300, max_depth: int = 8, learning_rate: float = 0.1,
+                 subsample: float = 0.8, colsample_bytree: float = 0.8, seed: int = 0, n_jobs: int = 1):
+        self.n_estimators = n_estimators
+        self.max_depth = max_depth
+        self.learning_rate = learning_rate
+        self.subsample = subsample
+        self.colsample_bytree = colsample_bytree
+        self.seed = seed
+        self.n_jobs = n_jobs
+        self.booster = None
+        self.metadata: dict[str, Any] = {}
+
+    def get_params(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("n_estimators", "max_depth", "learning_rate", "subsample",
+                                              "colsample_bytree", "seed", "n_jobs")}
+
+    @staticmethod
+    def _x(X: np.ndarray) -> np.ndarray:
+        # counts and byte sizes span orders of magnitude; NaN (unreadable program) stays missing
+        X = np.asarray(X, dtype=np.float32).reshape(-1, WIDTH)
+        return np.sign(X) * np.log1p(np.abs(X))
+
+    def fit(self, X: np.ndarray, y: np.ndarray) -> CostModel:
+        import xgboost as xgb
+
+        params = {"objective": "reg:squarederror", "max_depth": self.max_depth, "eta": self.learning_rate,
+                  "subsample": self.subsample, "colsample_bytree": self.colsample_bytree,
+                  "seed": self.seed, "nthread": self.n_jobs, "tree_method": "hist", "verbosity": 0}
+        d = xgb.DMatrix(self._x(X), label=np.asarray(y, dtype=np.float32))
+        self.booster = xgb.train(params, d, num_boost_round=self.n_estimators)
+        return self
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        import xgboost as xgb
+
+        if self.booster is None:
+            raise RankerError("the cost model is not fitted")
+        X = self._x(X)
+        if not len(X):
+            return np.zeros(0, dtype=np.float32)
+        return self.booster.predict(xgb.DMatrix(X))
+
+    def save(self, path: str | Path, **metadata) -> Path:
+        if self.booster is None:
+            raise RankerError("cannot save an unfitted cost model")
+        path = Path(path)
+        raw = bytes(self.booster.save_raw(raw_format="json"))
+        atomic_write_bytes(path, raw)
+        self.metadata = {**self.metadata, **metadata, "program_feature_version": PROGRAM_FEATURE_VERSION,
+                         "width": WIDTH, "params": self.get_params(),
+                         "model_sha256": hashlib.sha256(raw).hexdigest()}
+        atomic_write_json(_meta(path), self.metadata)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> CostModel:
+        import xgboost as xgb
+
+        path = Path(path) if path else DEFAULT_COST_MODEL
+        mp = _meta(path)
+        if not path.exists() or not mp.exists():
+            raise RankerError(f"no cost model at {path} (python train.py writes one)")
+        try:
+            meta = json.loads(mp.read_text())
+        except ValueError as e:
+            raise RankerError(f"{mp}: corrupt cost-model metadata ({e})") from None
+        if meta.get("program_feature_version") != PROGRAM_FEATURE_VERSION or meta.get("width") != WIDTH:
+            raise RankerError(f"{path} was trained on program features v{meta.get('program_feature_version')} "
+                              f"({meta.get('width')} wide); this ttrank computes v{PROGRAM_FEATURE_VERSION} "
+                              f"({WIDTH} wide): retrain it (python train.py)")
+        raw = path.read_bytes()
+        if hashlib.sha256(raw).hexdigest() != meta.get("model_sha256"):
+            raise RankerError(f"{path} does not match its metadata (modified or truncated)")
+        m = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
+        m.booster = xgb.Booster()
+        m.booster.load_model(bytearray(raw))
+        m.metadata = meta
+        return m
+
+
+def _meta(path: Path) -> Path:
+    return path.with_name(path.stem + ".meta.json")
+
+
+def fit_cost_model(work_dirs: Iterable[str | Path], target, exclude_networks: Iterable[str] = (),
+                   **params) -> CostModel:
+    """A cost model on every trial of ``work_dirs`` but those of ``exclude_networks``."""
+    featurizer = Featurizer(target)
+    sets = [record_set(d, target, featurizer) for d in work_dirs if Path(d).name not in set(exclude_networks)]
+    sets = [s for s in sets if len(s.latency_s)]
+    if not sets:
+        raise RankerError("no donor tuning records to train a cost model on")
+    X = np.concatenate([s.X for s in sets])
+    y = np.concatenate([s.labels() for s in sets])
+    m = CostModel(**params).fit(X, y)
+    m.metadata = {"networks": sorted(s.network for s in sets), "trials": int(len(y))}
+    return m
+
+
+def cost_model_without(networks: Iterable[str], work_dirs: list[str | Path], target) -> CostModel:
+    """:func:`fit_cost_model` leaving ``networks`` out, cached (a fit takes about a minute)."""
+    from .target import target_key
+    from .util import sha256_of
+
+    from .donors import RECORD_FILE, _db_file
+
+    networks = sorted(set(networks))
+    logs = [p for p in (_db_file(Path(d), RECORD_FILE) for d in work_dirs) if p is not None]
+    key = hashlib.sha256(json.dumps([networks, sha256_of(*logs), PROGRAM_FEATURE_VERSION,
+                                     target_key(target), CostModel().get_params()]).encode()).hexdigest()[:20]
+    path = cache_dir() / "program_features" / "models" / f"without-{'-'.join(networks) or 'none'}-{key}.json"
+    try:
+        return CostModel.load(path)
+    except RankerError:
+        pass
+    m = fit_cost_model(work_dirs, target, exclude_networks=networks)
+    m.save(path, **m.metadata)
+    return m
+
+
+def zscore(v: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, dtype=np.float64)
+    sd = v.std()
+    return (v - v.mean()) / sd if sd > 0 else np.zeros_like(v)
+
+
+def blend(ranker_scores: np.ndarray, cost_scores: np.ndarray, weight: float) -> np.ndarray:
+    """One kernel's shortlist: ``weight`` x the ranker's z-score + the rest x the cost model's.
+    Unreadable programs (NaN) count as the shortlist's worst."""
+    c = np.asarray(cost_scores, dtype=np.float64)
+    c = np.where(np.isnan(c), np.nanmin(c) if np.isfinite(c).any() else 0.0, c)
+    return weight * zscore(ranker_scores) + (1.0 - weight) * zscore(c)
+
+
+def rerank_spans(spans: list[tuple[int, int]], ranker_scores: np.ndarray, cost_scores: np.ndarray,
+                 weight: float, shortlist: int) -> np.ndarray:
+    """What the engine does, on a dataset's groups: each group's ``shortlist`` best by the
+    ranker reordered by :func:`blend`, every shortlisted candidate above every other."""
+    out = np.asarray(ranker_scores, dtype=np.float64).copy()
+    for a, b in spans:
+        order = np.argsort(-out[a:b], kind="stable")
+        short = order[:shortlist] + a
+        rest = order[shortlist:] + a
+        new = blend(out[short], cost_scores[short], weight)
+        if len(rest):
+            new += out[rest].max() + 1.0 - new.min()
+        out[short] = new
+    return out
+
+
+def _record_target_key(target) -> str:
+    """:func:`ttrank.target.target_key` of a tuning record's Target object."""
+    from .target import target_key
+
+    return target_key({str(k): str(v) for k, v in target.export().items()})
+
+
+def candidate_vectors(ds, store, target) -> np.ndarray:
+    """Program vectors of a dataset's candidates, each transferred onto its target kernel again
+    (about 0.1-0.3 s each; cached per network under the cache dir, by the rows' ids)."""
+    import ttrank
+
+    from .kernels import extract
+    from .transfer import transfer
+
+    featurizer = Featurizer(target)
+    rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
+    out = np.full((len(ds.meta), WIDTH), np.nan, dtype=np.float32)
+    for net in ds.networks:
+        rows = [i for i, m in enumerate(ds.meta) if m["network"] == net]
+        keys = sorted({(ds.meta[i]["workload"], ds.meta[i]["record"]) for i in rows})
+        digest = hashlib.sha1(json.dumps([keys, PROGRAM_FEATURE_VERSION]).encode()).hexdigest()[:12]
+        path = cache_dir() / "program_features" / "candidates" / f"{net}-{digest}.npz"
+        if path.exists():
+            z = np.load(path, allow_pickle=False)
+            vec = {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
+        else:
+            try:  # rows of the user's own models have no program to rebuild: they stay NaN
+                kernels = {k.workload_hash: k for k in extract(ttrank.load(f"zoo:{net}").mod, target)}
+            except TTRankError as e:
+                log.info("no program features for %s: %s", net, e)
+                continue
+            vec = {}
+            for wh, rid in keys:
+                if rid not in rec_of or wh not in kernels:
+                    continue
+                w, r = rec_of[rid]
+                c = transfer(r, kernels[wh], w, target)
+                if c.ok:
+                    vec[(wh, rid)] = featurizer.of_module(c.mod)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.stem + ".tmp.npz")
+            np.savez_compressed(tmp, keys=np.array([f"{a}|{b}" for a, b in vec], dtype=str),
+                                X=np.stack(list(vec.values())) if vec else np.zeros((0, WIDTH), np.float32))
+            tmp.replace(path)
+        for i in rows:
+            v = vec.get((ds.meta[i]["workload"], ds.meta[i]["record"]))
+            if v is not None:
+                out[i] = v
+    return out
+
+
+def loo_cost_scores(ds, store, target, work_dirs: list[Path]) -> np.ndarray:
+    """Each row's cost-model score from a model that never saw the row's own network."""
+    X = candidate_vectors(ds, store, target)
+    out = np.zeros(len(ds.meta), dtype=np.float64)
+    for net in ds.networks:
+        rows = [i for i, m in enumerate(ds.meta) if m["network"] == net]
+        out[rows] = cost_model_without([net], work_dirs, target).predict(X[rows])
+    out[np.isnan(X).any(axis=1)] = np.nan  # programs that could not be read
+    return out
