@@ -5,9 +5,10 @@ what finishes.
 
 Steps (each resumes where the last session stopped; a finished step is skipped quickly):
   1. donors    the 11 zoo networks tuned at 64 trials per task   (bench/tune_donors.py)
-  2. recommend `recommend --leave-one-out` on ResNet-50 and every zoo network
-  3. collect   cross-measurements, every network as target       (ttrank collect), then
+  2. collect   cross-measurements, every network as target       (ttrank collect), then
                retraining, bench/ranker_eval.py and bench/program_features.py
+  3. recommend `recommend --leave-one-out` on ResNet-50 and every zoo network, with the
+               shipped ranker (rerun when it, the donors or the threads change)
   4. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
                from scratch, one runtime thread per core, in datasets/metaschedule_long/
   5. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
@@ -81,7 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--commit", action="store_true", help="git-commit datasets/ after each step")
-    ap.add_argument("--steps", nargs="+", default=["donors", "recommend", "collect", "long", "evaluate", "builder"])
+    ap.add_argument("--steps", nargs="+", default=["donors", "collect", "recommend", "long", "evaluate", "builder"])
     args = ap.parse_args()
     import psutil
 
@@ -102,14 +103,6 @@ def main() -> int:
     if not donors_complete(ORDER):
         print("donors incomplete; later steps wait for them", flush=True)
         return 0
-    if "recommend" in args.steps:
-        # the product on every network, with all donors (each run is skipped once current)
-        if run([py, "bench/recommend_bench.py", "--network", "resnet50", "--skip-if-current"], deadline) < 0:
-            return 0
-        commit("recommend benchmark: resnet50", args.commit)
-        if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
-            return 0
-        commit("recommend on every zoo network", args.commit)
     if "collect" in args.steps:
         for net in ORDER:
             if run(["ttrank", "collect", net, "--max-per-kernel", "24", "--budget-minutes", "{left}",
@@ -123,6 +116,14 @@ def main() -> int:
             # does MetaSchedule's per-store program feature help? (answer in bench/results)
             if run([py, "bench/program_features.py"], deadline) >= 0:
                 commit("Program-feature evaluation", args.commit)
+    if "recommend" in args.steps:
+        # the product on every network, with all donors (each run is skipped once current)
+        if run([py, "bench/recommend_bench.py", "--network", "resnet50", "--skip-if-current"], deadline) < 0:
+            return 0
+        commit("recommend benchmark: resnet50", args.commit)
+        if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
+            return 0
+        commit("recommend on every zoo network", args.commit)
     if "long" in args.steps:
         for net in LONG:
             work = long_dir(net)

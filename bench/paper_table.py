@@ -50,19 +50,24 @@ METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 
 
 def inputs_hash(net: str) -> str:
-    """Changes when the run's inputs grow (the measurement table or the MetaSchedule log) or
-    the runtime's thread count changes."""
+    """Changes when the run's inputs grow (the measurement table or the MetaSchedule log), the
+    runtime's thread count changes, or the shipped ranker's second stage changes."""
+    from ttrank.ranker import Ranker
     from ttrank.target import runtime_threads
 
+    stage2 = (Ranker.load().metadata.get("stage2") or {})
     h = hashlib.sha256(f"threads={runtime_threads()}".encode())
+    if stage2.get("enabled"):
+        h.update(json.dumps([stage2.get("weight"), stage2.get("shortlist")]).encode())
     for p in (ROOT / "datasets" / "measurements" / f"{net}.jsonl", (ms_dir(net) or Path("/nonexistent")) / "trials.jsonl"):
         h.update(str(p.stat().st_size if p.exists() else 0).encode())
     return h.hexdigest()[:12]
 
 
-def choices(net: str, ds, store, params: dict) -> dict[str, dict[str, dict]]:
+def choices(net: str, ds, store, params: dict, stage2: dict | None = None) -> dict[str, dict[str, dict]]:
     """workload -> method -> the chosen measured row (ttrank top-k with a ranker that never
-    saw ``net``, exhaustive, and the paper's pool)."""
+    saw ``net``, and its second stage if the shipped ranker has one; exhaustive; the paper's
+    pool)."""
     from ttrank.collect import measurement_key
     from ttrank.evaluate import _groups, _regroup
     from ttrank.ranker import Ranker
@@ -72,10 +77,14 @@ def choices(net: str, ds, store, params: dict) -> dict[str, dict[str, dict]]:
     model = Ranker(**params).fit(ds.X[train], ds.y[train], _regroup(ds, train))
     rows = {measurement_key(r): r for r in read_jsonl(ROOT / "datasets" / "measurements" / f"{net}.jsonl")}
     out: dict[str, dict[str, dict]] = {}
-    for a, b in _groups(ds):
-        if ds.meta[a]["network"] != net:
-            continue
-        scores = model.predict(ds.X[a:b])
+    spans = [(a, b) for a, b in _groups(ds) if ds.meta[a]["network"] == net]
+    all_scores = np.zeros(len(ds.y))
+    for a, b in spans:
+        all_scores[a:b] = model.predict(ds.X[a:b])
+    if stage2 and stage2.get("enabled"):
+        all_scores = second_stage_scores(net, ds, store, spans, all_scores, stage2)
+    for a, b in spans:
+        scores = all_scores[a:b]
         order = np.argsort(-scores, kind="stable")
         group = [ds.meta[a + i] for i in order]
         wh = group[0]["workload"]
@@ -99,7 +108,24 @@ def choices(net: str, ds, store, params: dict) -> dict[str, dict[str, dict]]:
     return out
 
 
-def evaluation_run(net: str, ds, store, params: dict) -> dict:
+def second_stage_scores(net: str, ds, store, spans, scores: np.ndarray, stage2: dict) -> np.ndarray:
+    """The shortlists of ``net``'s groups reordered by a cost model that never saw ``net``."""
+    from ttrank.collect import Dataset
+    from ttrank.programs import candidate_vectors, cost_model_without, rerank_spans
+    from ttrank.target import make_target
+
+    target = make_target()
+    rows = [i for a, b in spans for i in range(a, b)]
+    sub = Dataset(ds.X[rows], ds.y[rows], [b - a for a, b in spans], [ds.meta[i] for i in rows])
+    X = candidate_vectors(sub, store, target)
+    cost = np.full(len(ds.y), np.nan)
+    cm = cost_model_without([net], [Path(r.work_dir) for r in store.reports], target)
+    ok = ~np.isnan(X).any(axis=1)
+    cost[np.array(rows)[ok]] = cm.predict(X[ok])
+    return rerank_spans(spans, scores, cost, stage2["weight"], stage2["shortlist"])
+
+
+def evaluation_run(net: str, ds, store, params: dict, stage2: dict | None = None) -> dict:
     from tvm.s_tir import meta_schedule as ms
 
     from ttrank.convergence import read_log, remeasure, remeasured_curves  # noqa: F401
@@ -115,7 +141,7 @@ def evaluation_run(net: str, ds, store, params: dict) -> dict:
     import tempfile
 
     target = make_target()
-    picks = choices(net, ds, store, params)
+    picks = choices(net, ds, store, params, stage2)
     rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
     log = read_log(ms_dir(net))
     with tempfile.TemporaryDirectory() as tmp:
@@ -409,7 +435,8 @@ def main() -> int:
         deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
         store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
         ds = build_dataset([DATASET_MEASUREMENTS], store)
-        params = Ranker.load().get_params()
+        shipped = Ranker.load()
+        params, stage2 = shipped.get_params(), shipped.metadata.get("stage2")
         for net in args.networks:
             p = RUNS / f"{net}.json"
             if p.exists() and json.loads(p.read_text()).get("inputs") == inputs_hash(net):
@@ -422,7 +449,7 @@ def main() -> int:
                 print("budget spent")
                 break
             print(f"{net}: evaluation run", flush=True)
-            atomic_write_json(p, evaluation_run(net, ds, store, params))
+            atomic_write_json(p, evaluation_run(net, ds, store, params, stage2))
     write_outputs(build_table(args.networks))
     return 0
 

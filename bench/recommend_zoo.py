@@ -7,7 +7,7 @@ data dir, the network's own schedules and measurements left out of the candidate
 ranker). A run passes when the compiled model's outputs match onnxruntime (recommend exits
 non-zero otherwise). Results are kept per network in bench/results/recommend_zoo.json, so the
 command resumes; a network is rerun when the donor networks available to it or the runtime's
-threads changed. The networks whose epilogues call exp/erf also run with --fast-math (rows
+threads or the shipped ranker changed. The networks whose epilogues call exp/erf also run with --fast-math (rows
 "NET --fast-math").
 Writes recommend_zoo.md beside it.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from recommend_bench import RESULTS, run_recommend  # noqa: E402
+from recommend_bench import RESULTS, ranker_id, run_recommend  # noqa: E402
 
 OUT = RESULTS / "recommend_zoo.json"
 # exp/erf in their epilogues: TVM's scalar libm calls cost more than the convolution before them,
@@ -97,6 +97,7 @@ def main() -> int:
     store_networks = DonorStore.load().networks
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
     failed = 0
+    ranker = ranker_id()
     runs = [(net, ()) for net in args.networks]
     runs += [(net, ("--fast-math",)) for net in args.fast_math_networks if net in args.networks]
     for net, extra in runs:
@@ -104,8 +105,9 @@ def main() -> int:
         donors = sorted(n for n in store_networks if n != net)
         old = results.get(key)
         if old and not args.force and old.get("donor_networks") == donors and "error" not in old \
-                and (old.get("provenance") or {}).get("threads") == runtime_threads():
-            print(f"{key}: done earlier with the same donors and threads")
+                and (old.get("provenance") or {}).get("threads") == runtime_threads() \
+                and old.get("ranker") == ranker:
+            print(f"{key}: done earlier with the same donors, threads and ranker")
             continue
         if deadline and time.time() > deadline:
             print("budget spent; rerun to continue")
@@ -116,6 +118,7 @@ def main() -> int:
                 report, wall, paused, _ = run_recommend(net, Path(tmp), pause=args.pause_background,
                                                         extra=extra)
                 results[key] = summarize(net, report, wall, donors, paused)
+                results[key]["ranker"] = ranker
             except RuntimeError as e:
                 failed += 1
                 results[key] = {"network": net, "donor_networks": donors, "error": str(e)[-1500:]}

@@ -424,6 +424,13 @@ def cmd_train(args) -> int:
 
     if avg:
         con.print("leave-one-network-out: " + ", ".join(f"{k} {avg[k]:.3f}" for k in KEYS if k in avg))
+    st = report.get("stage2") or {}
+    if st.get("enabled"):
+        con.print(f"with the second stage (program cost model on the top {st['shortlist']}, weight "
+                  f"{st['weight']}): " + ", ".join(f"{k} {st['average'][k]:.3f}" for k in KEYS
+                                                    if k in st.get("average", {})))
+    elif st:
+        con.print(f"second stage (program cost model) left out: it gained {st.get('gain', 0):+.3f}")
     if before:
         con.print("before: " + ", ".join(f"{k} {before[k]:.3f}" for k in KEYS if k in before))
     con.print(f"default top-k for recommend: {report['top_k']}")

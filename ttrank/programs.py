@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RankerError, TTRankError
-from .util import atomic_write_bytes, atomic_write_json, cache_dir
+from .util import cache_dir
 
 log = logging.getLogger("ttrank")
 
@@ -187,45 +187,33 @@ class CostModel:
         return self.booster.predict(xgb.DMatrix(X))
 
     def save(self, path: str | Path, **metadata) -> Path:
+        from .ranker import write_booster
+
         if self.booster is None:
             raise RankerError("cannot save an unfitted cost model")
-        path = Path(path)
-        raw = bytes(self.booster.save_raw(raw_format="json"))
-        atomic_write_bytes(path, raw)
-        self.metadata = {**self.metadata, **metadata, "program_feature_version": PROGRAM_FEATURE_VERSION,
-                         "width": WIDTH, "params": self.get_params(),
-                         "model_sha256": hashlib.sha256(raw).hexdigest()}
-        atomic_write_json(_meta(path), self.metadata)
-        return path
+        self.metadata = write_booster(path, self.booster, {
+            **self.metadata, **metadata, "program_feature_version": PROGRAM_FEATURE_VERSION,
+            "width": WIDTH, "params": self.get_params()})
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> CostModel:
-        import xgboost as xgb
+        """Load a cost model; refuse one written for other program features."""
+        from .ranker import read_booster
 
         path = Path(path) if path else DEFAULT_COST_MODEL
-        mp = _meta(path)
-        if not path.exists() or not mp.exists():
-            raise RankerError(f"no cost model at {path} (python train.py writes one)")
-        try:
-            meta = json.loads(mp.read_text())
-        except ValueError as e:
-            raise RankerError(f"{mp}: corrupt cost-model metadata ({e})") from None
-        if meta.get("program_feature_version") != PROGRAM_FEATURE_VERSION or meta.get("width") != WIDTH:
-            raise RankerError(f"{path} was trained on program features v{meta.get('program_feature_version')} "
-                              f"({meta.get('width')} wide); this ttrank computes v{PROGRAM_FEATURE_VERSION} "
-                              f"({WIDTH} wide): retrain it (python train.py)")
-        raw = path.read_bytes()
-        if hashlib.sha256(raw).hexdigest() != meta.get("model_sha256"):
-            raise RankerError(f"{path} does not match its metadata (modified or truncated)")
+
+        def check(meta: dict) -> str | None:
+            if meta.get("program_feature_version") != PROGRAM_FEATURE_VERSION or meta.get("width") != WIDTH:
+                return (f"{path} was trained on program features v{meta.get('program_feature_version')} "
+                        f"({meta.get('width')} wide); this ttrank computes v{PROGRAM_FEATURE_VERSION} "
+                        f"({WIDTH} wide): retrain it (python train.py)")
+            return None
+
+        booster, meta = read_booster(path, "cost model", "python train.py writes one", check)
         m = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
-        m.booster = xgb.Booster()
-        m.booster.load_model(bytearray(raw))
-        m.metadata = meta
+        m.booster, m.metadata = booster, meta
         return m
-
-
-def _meta(path: Path) -> Path:
-    return path.with_name(path.stem + ".meta.json")
 
 
 def fit_cost_model(work_dirs: Iterable[str | Path], target, exclude_networks: Iterable[str] = (),

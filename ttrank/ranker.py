@@ -107,49 +107,66 @@ class Ranker:
         """Write the booster (XGBoost JSON) and a sidecar ``.meta.json``, both atomically."""
         if self.booster is None:
             raise RankerError("cannot save an unfitted ranker")
-        path = Path(path)
-        raw = self.booster.save_raw(raw_format="json")
-        atomic_write_bytes(path, bytes(raw))
-        meta = {"feature_version": FEATURE_VERSION, "feature_names": FEATURE_NAMES,
-                "params": self.get_params(), "model_sha256": hashlib.sha256(bytes(raw)).hexdigest(),
-                **self.metadata, **metadata}
-        self.metadata = meta
-        atomic_write_json(meta_path(path), meta)
-        return path
+        self.metadata = write_booster(path, self.booster, {
+            "feature_version": FEATURE_VERSION, "feature_names": FEATURE_NAMES,
+            "params": self.get_params(), **self.metadata, **metadata})
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Ranker:
         """Load a ranker; refuse one written for another feature schema."""
-        import xgboost as xgb
-
         path = Path(path) if path else DEFAULT_MODEL
-        mp = meta_path(path)
-        if not path.exists() or not mp.exists():
-            raise RankerError(f"no ranker at {path} (train one: python train.py, or ttrank train)")
+
+        def check(meta: dict) -> str | None:
+            version = meta.get("feature_version")
+            if version != FEATURE_VERSION or meta.get("feature_names") != FEATURE_NAMES:
+                return (f"{path} was trained on feature schema v{version}; this ttrank "
+                        f"computes v{FEATURE_VERSION}: retrain it (ttrank train)")
+            return None
+
+        booster, meta = read_booster(path, "ranker", "train one: python train.py, or ttrank train", check)
         try:
-            meta = json.loads(mp.read_text())
-        except ValueError as e:
-            raise RankerError(f"{mp}: corrupt ranker metadata ({e})") from None
-        version = meta.get("feature_version")
-        if version != FEATURE_VERSION or meta.get("feature_names") != FEATURE_NAMES:
-            raise RankerError(f"{path} was trained on feature schema v{version}; this ttrank "
-                              f"computes v{FEATURE_VERSION}: retrain it (ttrank train)")
-        raw = path.read_bytes()
-        if meta.get("model_sha256") and hashlib.sha256(raw).hexdigest() != meta["model_sha256"]:
-            raise RankerError(f"{path} does not match its metadata (modified or truncated)")
-        params = meta.get("params", {})
-        try:
-            r = cls(**{k: v for k, v in params.items() if k in cls().get_params()})
+            r = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
         except (TypeError, ValueError) as e:
-            raise RankerError(f"{mp}: unusable parameters ({e})") from None
-        try:
-            r.booster = xgb.Booster()
-            r.booster.load_model(bytearray(raw))
-        except Exception as e:
-            raise RankerError(f"{path}: not a readable XGBoost model ({str(e).splitlines()[0]})") from None
-        r.metadata = meta
-        r.path = path
+            raise RankerError(f"{meta_path(path)}: unusable parameters ({e})") from None
+        r.booster, r.metadata, r.path = booster, meta, path
         return r
+
+
+def write_booster(path: str | Path, booster, meta: dict) -> dict:
+    """Write an XGBoost booster (JSON) and its ``.meta.json`` sidecar, both atomically.
+    Returns the metadata, with the model file's hash that :func:`read_booster` checks."""
+    raw = bytes(booster.save_raw(raw_format="json"))
+    atomic_write_bytes(path, raw)
+    meta = {**meta, "model_sha256": hashlib.sha256(raw).hexdigest()}
+    atomic_write_json(meta_path(path), meta)
+    return meta
+
+
+def read_booster(path: Path, what: str, hint: str, check) -> tuple[Any, dict]:
+    """(booster, metadata) written by :func:`write_booster`. ``check(metadata)`` returns why the
+    file does not fit this ttrank (another schema), or None; every refusal is a RankerError."""
+    import xgboost as xgb
+
+    mp = meta_path(path)
+    if not path.exists() or not mp.exists():
+        raise RankerError(f"no {what} at {path} ({hint})")
+    try:
+        meta = json.loads(mp.read_text())
+    except ValueError as e:
+        raise RankerError(f"{mp}: corrupt {what} metadata ({e})") from None
+    why = check(meta)
+    if why:
+        raise RankerError(why)
+    raw = path.read_bytes()
+    if meta.get("model_sha256") and hashlib.sha256(raw).hexdigest() != meta["model_sha256"]:
+        raise RankerError(f"{path} does not match its metadata (modified or truncated)")
+    try:
+        booster = xgb.Booster()
+        booster.load_model(bytearray(raw))
+    except Exception as e:
+        raise RankerError(f"{path}: not a readable XGBoost model ({str(e).splitlines()[0]})") from None
+    return booster, meta
 
 
 def meta_path(path: str | Path) -> Path:
