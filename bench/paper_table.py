@@ -111,17 +111,13 @@ def choices(net: str, ds, store, params: dict, stage2: dict | None = None) -> di
 def second_stage_scores(net: str, ds, store, spans, scores: np.ndarray, stage2: dict) -> np.ndarray:
     """The shortlists of ``net``'s groups reordered by a cost model that never saw ``net``."""
     from ttrank.collect import Dataset
-    from ttrank.programs import candidate_vectors, cost_model_without, rerank_spans
+    from ttrank.programs import loo_cost_scores, rerank_spans
     from ttrank.target import make_target
 
-    target = make_target()
     rows = [i for a, b in spans for i in range(a, b)]
     sub = Dataset(ds.X[rows], ds.y[rows], [b - a for a, b in spans], [ds.meta[i] for i in rows])
-    X = candidate_vectors(sub, store, target)
     cost = np.full(len(ds.y), np.nan)
-    cm = cost_model_without([net], [Path(r.work_dir) for r in store.reports], target)
-    ok = ~np.isnan(X).any(axis=1)
-    cost[np.array(rows)[ok]] = cm.predict(X[ok])
+    cost[rows] = loo_cost_scores(sub, store, make_target(), [Path(r.work_dir) for r in store.reports])
     return rerank_spans(spans, scores, cost, stage2["weight"], stage2["shortlist"])
 
 

@@ -148,7 +148,7 @@ def ranker_id() -> str:
     out = meta["model_sha256"][:12]
     st = meta.get("stage2") or {}
     if st.get("enabled"):
-        cm = json.loads(DEFAULT_COST_MODEL.with_name("costmodel.meta.json").read_text())
+        cm = json.loads(meta_path(DEFAULT_COST_MODEL).read_text())
         out += f"+{cm['model_sha256'][:8]}/w{st['weight']}/n{st['shortlist']}"
     return out
 

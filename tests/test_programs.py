@@ -74,9 +74,10 @@ def test_recommend_reorders_the_shortlist_with_the_cost_model(trained, donor_dir
     r = Ranker.load(trained)
     ranker = tmp_path / "models" / "ranker.json"
     ranker.parent.mkdir()
-    r.save(ranker, stage2={"enabled": True, "weight": 0.5, "shortlist": 4, "cost_model": "costmodel.json"})
+    cm_path = programs.cost_model_path(ranker)
+    r.save(ranker, stage2={"enabled": True, "weight": 0.5, "shortlist": 4, "cost_model": cm_path.name})
     cm = programs.fit_cost_model([donor_dir], target, n_estimators=30)
-    cm.save(ranker.with_name("costmodel.json"), **cm.metadata)
+    cm.save(cm_path, **cm.metadata)
     report = tmp_path / "report.json"
     args = ["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(ranker),
             "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
@@ -87,7 +88,7 @@ def test_recommend_reorders_the_shortlist_with_the_cost_model(trained, donor_dir
     measured = [m for k in r["kernels"] if k["top_k"] > 1 for m in k["measured"]]
     assert measured and all(m["cost_score"] is not None for m in measured)
     # a cost model from another schema: one clear error, nothing written as done
-    meta = ranker.with_name("costmodel.meta.json")
+    meta = ranker.with_name("ranker.costmodel.meta.json")
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "width": 7}))
     shutil.rmtree(tmp_path / "data")
     assert main(args[:-1] + ["--no-progress", "--json", str(tmp_path / "r2.json")]) != 0

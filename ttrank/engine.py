@@ -326,8 +326,9 @@ def rerank_kernel(kernel, cands: list, stage, target) -> tuple[list, dict]:
         t.score, t.features = c.score, c.features
         done[c.record.id] = t
         vecs.append(featurizer.of_module(t.mod) if t.ok else np.full(WIDTH, np.nan, dtype=np.float32))
-    cost = cost_model.predict(np.stack(vecs)).astype(np.float64)
-    cost[np.isnan(np.stack(vecs)).any(axis=1)] = np.nan
+    X = np.stack(vecs)
+    cost = cost_model.predict(X).astype(np.float64)
+    cost[np.isnan(X).any(axis=1)] = np.nan
     for c, v in zip(short, cost):
         c.cost_score = done[c.record.id].cost_score = None if np.isnan(v) else float(v)
     order = np.argsort(-blend(np.array([c.score for c in short]), cost, weight), kind="stable")

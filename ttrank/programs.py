@@ -31,7 +31,13 @@ log = logging.getLogger("ttrank")
 PROGRAM_FEATURE_VERSION = 1
 N_PSF = 164  # PerStoreFeature's width per buffer store (TVM 0.27)
 WIDTH = 2 * N_PSF
-DEFAULT_COST_MODEL = Path(__file__).resolve().parent.parent / "models" / "costmodel.json"
+def cost_model_path(ranker_path: str | Path) -> Path:
+    """Where a ranker's cost model lives: beside it (models/ranker.json -> models/ranker.costmodel.json)."""
+    p = Path(ranker_path)
+    return p.with_name(p.stem + ".costmodel.json")
+
+
+DEFAULT_COST_MODEL = cost_model_path(Path(__file__).resolve().parent.parent / "models" / "ranker.json")
 FAILED_S = 1e9  # MetaSchedule logs a failed build or run as 1e10 seconds
 
 

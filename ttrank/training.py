@@ -162,7 +162,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report["leave_one_network_out"] = loo or None
     stage2 = None
     if programs and len(ds.networks) >= 2:
-        from .programs import fit_cost_model, loo_cost_scores
+        from .programs import cost_model_path, fit_cost_model, loo_cost_scores
         from .target import make_target
 
         target = target if target is not None else make_target()
@@ -174,9 +174,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
         if stage2["enabled"]:
             loo = stage2["average"]
             cm = fit_cost_model(work_dirs, target)
-            cm_path = Path(out).with_name(Path(out).stem.replace("ranker", "costmodel") + ".json")
-            if cm_path == Path(out):
-                cm_path = Path(out).with_name(Path(out).stem + ".costmodel.json")
+            cm_path = cost_model_path(out)
             cm.save(cm_path, **cm.metadata)
             report["stage2"]["cost_model"] = cm_path.name
     # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import json
@@ -40,7 +41,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+@functools.lru_cache(maxsize=1)
 def _umask() -> int:
+    # read once: os.umask can only be read by setting it, which is not thread-safe
     mask = os.umask(0)
     os.umask(mask)
     return mask
