@@ -7,11 +7,12 @@ Steps (each resumes where the last session stopped; a finished step is skipped q
   1. donors    the 11 zoo networks tuned at 64 trials per task   (bench/tune_donors.py)
   2. collect   cross-measurements, every network as target       (ttrank collect), then
                retraining, bench/ranker_eval.py and bench/program_features.py
-  3. recommend `recommend --leave-one-out` on ResNet-50 and every zoo network, with the
-               shipped ranker (rerun when it, the donors or the threads change)
-  4. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
+  3. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
                from scratch, one runtime thread per core, in datasets/metaschedule_long/
-  5. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
+  4. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
+  5. recommend `recommend --leave-one-out` on ResNet-50 and every zoo network, with the
+               shipped ranker (rerun when it, the donors or the threads change; #6 is
+               resolved, so the open issues' runs go first)
   6. builder   bench/builder_speed.py again on an idle machine (for #3, already resolved)
 Run one copy at a time (it refuses to start when another is running).
 """
@@ -82,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--commit", action="store_true", help="git-commit datasets/ after each step")
-    ap.add_argument("--steps", nargs="+", default=["donors", "collect", "recommend", "long", "evaluate", "builder"])
+    ap.add_argument("--steps", nargs="+", default=["donors", "collect", "long", "evaluate", "recommend", "builder"])
     args = ap.parse_args()
     import psutil
 
@@ -116,14 +117,6 @@ def main() -> int:
             # does MetaSchedule's per-store program feature help? (answer in bench/results)
             if run([py, "bench/program_features.py"], deadline) >= 0:
                 commit("Program-feature evaluation", args.commit)
-    if "recommend" in args.steps:
-        # the product on every network, with all donors (each run is skipped once current)
-        if run([py, "bench/recommend_bench.py", "--network", "resnet50", "--skip-if-current"], deadline) < 0:
-            return 0
-        commit("recommend benchmark: resnet50", args.commit)
-        if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
-            return 0
-        commit("recommend on every zoo network", args.commit)
     if "long" in args.steps:
         for net in LONG:
             work = long_dir(net)
@@ -135,6 +128,14 @@ def main() -> int:
     if "evaluate" in args.steps:
         if run([py, "bench/paper_table.py", "--measure", "--budget-minutes", "{left}"], deadline) >= 0:
             commit("Paper table measurements", args.commit)
+    if "recommend" in args.steps:
+        # the product on every network, with all donors (each run is skipped once current)
+        if run([py, "bench/recommend_bench.py", "--network", "resnet50", "--skip-if-current"], deadline) < 0:
+            return 0
+        commit("recommend benchmark: resnet50", args.commit)
+        if run([py, "bench/recommend_zoo.py", "--budget-minutes", "{left}"], deadline) < 0:
+            return 0
+        commit("recommend on every zoo network", args.commit)
     if "builder" in args.steps:
         # the builder benchmark of #3 (resolved), again on a machine with nothing else running;
         # last, because the open issues need the compute first

@@ -1,6 +1,6 @@
 """Leave-one-network-out evaluation of the ranker against baselines, on the committed data.
 
-    python bench/ranker_eval.py [--trees 300]
+    python bench/ranker_eval.py [--trees 300] [--out DIR]
 
 Writes bench/results/ranker_eval.json (raw numbers; `average` holds top1/top3/top5/ndcg5 for
 ttrank, `baselines` the same keys per baseline), ranker_eval.md (table) and ranker_eval.png.
@@ -27,6 +27,8 @@ def main() -> None:
                     help="skip the second stage (program cost model): no transfers, much faster")
     ap.add_argument("--objective", default=None,
                     help="default: every objective, the best by leave-one-out (mean of top-1 and top-3)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                    help="where the report goes (a scratch dir for a look at partial data)")
     args = ap.parse_args()
 
     from ttrank.collect import build_dataset
@@ -121,7 +123,8 @@ def main() -> None:
                    "the top-k, weighted by kernel weight x best latency; paper = one hand-picked "
                    "donor network, all its candidates measured",
            "provenance": provenance()}
-    res_dir = ROOT / "bench" / "results"
+    res_dir = args.out
+    res_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(res_dir / "ranker_eval.json", out)
     how = (f"ranker {best}, then the program cost model blended on its top {stage2['shortlist']} "
            f"(weight {stage2['weight']})" if stage2 and stage2["enabled"] else f"ranker {best}")
