@@ -1,0 +1,95 @@
+"""The paper table's arithmetic, on a hand-made evaluation run (no TVM, no measuring)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def paper_table():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("paper_table")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _run(**over) -> dict:
+    """Two kernels; MetaSchedule's log reaches 2 ms and 1 ms after 100 s each."""
+    ms = 1e-3
+    run = {
+        "version": 2, "weights": {"conv": 2, "dense": 1},
+        "steps_seconds": {"conv": [10.0, 100.0], "dense": [20.0, 100.0]},
+        "global_seconds": {"conv": [10.0, 100.0], "dense": [110.0, 200.0]},
+        "measured": {
+            "untuned": {"conv": 100 * ms, "dense": 50 * ms},
+            "steps": {"conv": [5 * ms, 2 * ms], "dense": [4 * ms, 1 * ms]},
+            "others": {"rank1": {"conv": 3 * ms, "dense": 1.5 * ms},
+                       "rank2": {"conv": 2.5 * ms, "dense": 3 * ms},
+                       "rank3": {"conv": 4 * ms},  # dense: rank 3 failed its check
+                       "rank4": {"conv": 1.8 * ms, "dense": 2 * ms},
+                       "rank5": {"conv": 6 * ms, "dense": 2 * ms},
+                       "sample_best": {"conv": 2.2 * ms, "dense": 0.9 * ms},
+                       "paper": {"conv": 20 * ms}}},  # dense: no exact-class donor kernel
+        "chosen": {label: {n: {"record": f"{label}-{n}"} for n in ("conv", "dense")}
+                   for label in ("rank1", "rank2", "rank3", "rank4", "rank5", "sample_best", "paper")},
+        "pool": {"conv": 400, "dense": 100}, "paper_measured": {"conv": 30},
+        "seconds_per_candidate": 1.0, "compile_seconds": 10.0, "ranking_seconds": 5.0,
+        "log_search_seconds": 200.0, "log_trials": 128, "log_trials_per_task": 64,
+        "whole_model_ms": {"ttrank_top3": 8.0, "metaschedule": 7.0, "onnxruntime": 4.0},
+    }
+    run.update(over)
+    return run
+
+
+def test_top_k_is_the_fastest_of_the_first_k_ranks(paper_table):
+    row = paper_table.row_of(_run())
+    lat = row["latency_ms"]
+    assert lat["untuned"] == pytest.approx(2 * 100 + 50)
+    assert lat["metaschedule_max"] == pytest.approx(2 * 2 + 1)
+    assert lat["top1"] == pytest.approx(2 * 3 + 1.5)
+    assert lat["top3"] == pytest.approx(2 * 2.5 + 1.5)  # a failed rank just drops out
+    assert lat["top5"] == pytest.approx(2 * 1.8 + 1.5)
+    assert lat["exhaustive"] == pytest.approx(2 * 1.8 + 0.9)  # the sample found a faster dense
+    assert lat["paper"] == pytest.approx(2 * 20 + 50)  # no paper schedule: the kernel stays untuned
+    s_max = 250 / 5
+    assert row["pct_max_speedup"]["top3"] == pytest.approx((250 / 6.5 - 1) / (s_max - 1))
+    # search: k candidates per kernel (a rank that failed its check was measured all the same),
+    # plus the untuned kernels, compiling and ranking; exhaustive measures the whole pool; the
+    # paper all its 30 candidates
+    assert row["candidates_measured"] == {"top1": 2, "top3": 6, "top5": 10, "exhaustive": 500, "paper": 30}
+    assert row["search_seconds"]["top3"] == pytest.approx((6 + 2) * 1.0 + 10 + 5)
+    assert row["search_seconds"]["paper"] == pytest.approx((30 + 2) * 1.0 + 10)
+    assert row["ort_latency_ratio_top3"] == pytest.approx(2.0)
+
+
+def test_metaschedule_time_to_match_is_a_lower_bound_when_never_reached(paper_table):
+    row = paper_table.row_of(_run())
+    # exhaustive (4.5 ms) beats the log's best (5 ms): the whole log is only a lower bound
+    assert row["metaschedule_time_ratio"]["exhaustive"]["lower_bound"] is True
+    # top-1 (7.5 ms) is reached inside the log, so its ratio is a measured one
+    assert row["metaschedule_time_ratio"]["top1"]["lower_bound"] is False
+    assert row["metaschedule_time_ratio"]["top1"]["value"] > 0
+
+
+def test_a_schedule_picked_twice_counts_its_faster_measurement(paper_table):
+    run = _run()
+    run["chosen"]["sample_best"]["conv"] = {"record": "rank2-conv"}  # the sample's best is rank 2
+    row = paper_table.row_of(run)
+    assert row["latency_ms"]["top3"] == pytest.approx(2 * 2.2 + 1.5)
+
+
+def test_runs_of_an_older_protocol_are_left_out_of_the_table(paper_table, tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(paper_table, "RUNS", tmp_path)
+    (tmp_path / "resnet18.json").write_text(json.dumps(_run(version=1)))
+    (tmp_path / "vgg16.json").write_text(json.dumps(_run()))
+    table = paper_table.build_table(["resnet18", "vgg16"])
+    assert list(table["networks"]) == ["vgg16"] and table["missing"] == ["resnet18"]
+    assert table["average"]["pct_max_speedup_top3"] == pytest.approx(
+        table["networks"]["vgg16"]["pct_max_speedup"]["top3"])
