@@ -149,7 +149,10 @@ def main() -> None:
             lines.append(f"| {name} | {m['top1']:.3f} | {m['top3']:.3f} | {m['top5']:.3f} | {m['ndcg5']:.3f} |")
     lines += ["", "paper: the paired donor network's exact-class candidates, tiles as they are, all measured; "
               "a kernel with none stays untuned. Averaged over the networks whose paired donor is tuned "
-              f"({', '.join(have) or 'none yet'}); — where it is not.",
+              f"({', '.join(have) or 'none yet'}); — where it is not. Scores are against the best of the "
+              "kernel's collected random sample (at most 24 candidates), which the paper's own pool (all "
+              "exact-class schedules of one network, often 40-50) can beat: a paper score above 1. "
+              "bench/paper_table.py compares the two on the whole pool, with ttrank's top-k measured.",
               "", "Ranker settings compared (leave-one-out, mean over 3 seeds; chosen by mean of top-1 and top-3): " +
               "; ".join(f"{o}: top-1 {r['average']['top1']:.3f}, top-3 {r['average']['top3']:.3f}"
                         for o, r in runs.items() if r["average"]),
