@@ -11,7 +11,6 @@ them) and none of T's rows, nor rows whose donor is T, train the model.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np

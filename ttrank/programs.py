@@ -31,6 +31,8 @@ log = logging.getLogger("ttrank")
 PROGRAM_FEATURE_VERSION = 1
 N_PSF = 164  # PerStoreFeature's width per buffer store (TVM 0.27)
 WIDTH = 2 * N_PSF
+
+
 def cost_model_path(ranker_path: str | Path) -> Path:
     """Where a ranker's cost model lives: beside it (models/ranker.json -> models/ranker.costmodel.json)."""
     p = Path(ranker_path)
