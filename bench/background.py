@@ -73,6 +73,18 @@ def donors_complete(names: list[str]) -> bool:
     return True
 
 
+def reports_current() -> bool:
+    """bench/results/ranker_eval.json was computed from the data the shipped ranker learned."""
+    import json
+
+    try:
+        model = json.loads((ROOT / "models" / "ranker.meta.json").read_text())
+        report = json.loads((ROOT / "bench" / "results" / "ranker_eval.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return report.get("training_data_hash") == model.get("training_data_hash") is not None
+
+
 def long_dir(net: str) -> Path:
     """A long run starts from scratch with one runtime thread per core (the donor runs used
     one thread), so its curve is MetaSchedule's own search under the same conditions as ttrank."""
@@ -110,13 +122,15 @@ def main() -> int:
                     "--quiet"], deadline) < 0:
                 return 0
             commit(f"Cross-measurements: {net}", args.commit)
-        # retrain on everything collected, and regenerate the evaluation report
-        if run([py, "train.py", "--skip-if-current"], deadline) == 0 and \
-                run([py, "bench/ranker_eval.py"], deadline) >= 0:
+        # retrain on everything collected (exit 3: already current), and regenerate the
+        # evaluation reports unless they were made from the model's data
+        if run([py, "train.py", "--skip-if-current"], deadline) in (0, 3):
             commit("Ranker retrained on all cross-measurements", args.commit, extra=["models"])
-            # does MetaSchedule's per-store program feature help? (answer in bench/results)
-            if run([py, "bench/program_features.py"], deadline) >= 0:
-                commit("Program-feature evaluation", args.commit)
+            if not reports_current() and run([py, "bench/ranker_eval.py"], deadline) >= 0:
+                commit("Ranker evaluation report", args.commit)
+                # does MetaSchedule's per-store program feature help? (answer in bench/results)
+                if run([py, "bench/program_features.py"], deadline) >= 0:
+                    commit("Program-feature evaluation", args.commit)
     if "long" in args.steps:
         for net in LONG:
             work = long_dir(net)

@@ -35,7 +35,7 @@ def main() -> None:
     from ttrank.evaluate import KS, _groups, baseline_scores, choose_top_k, evaluate
     from ttrank.ranker import OBJECTIVES
     from ttrank.target import provenance
-    from ttrank.training import DATASET_MEASUREMENTS, candidate_configs, config_label, select_config
+    from ttrank.training import DATASET_MEASUREMENTS, candidate_configs, config_label, data_hash, select_config
     from ttrank.util import atomic_write_json, atomic_write_text
 
     store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
@@ -113,6 +113,7 @@ def main() -> None:
                                        for o, r in runs.items()},
            "config_note": "each config's leave-one-out scores are the mean over 3 seeds",
            "top_k_curve": curve, "chosen_top_k": choose_top_k(res["average"], max_k=5),
+           "training_data_hash": data_hash(ds),  # bench/background.py: is this report current?
            "rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "networks": res["networks"],
            "average": {k: res["average"][k] for k in KEYS if k in res["average"]}, "baselines": baselines,
            "baseline_networks": baseline_nets,
