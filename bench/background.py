@@ -7,6 +7,8 @@ Steps (each resumes where the last session stopped; a finished step is skipped q
   1. donors    the 11 zoo networks tuned at 64 trials per task   (bench/tune_donors.py)
   2. collect   cross-measurements, every network as target       (ttrank collect), then
                retraining, bench/ranker_eval.py and bench/program_features.py
+               (on a CPU other than the tables', only the retraining and the reports run;
+               --collect-here collects this CPU's own rows, which takes hours)
   3. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
                from scratch, one runtime thread per core, in datasets/metaschedule_long/
   4. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
@@ -85,6 +87,34 @@ def reports_current() -> bool:
     return report.get("training_data_hash") == model.get("training_data_hash") is not None
 
 
+def dataset_cpus() -> set[str]:
+    """The CPUs (mcpu) the cross-measurement tables were collected on."""
+    import json
+
+    cpus = set()
+    for p in (ROOT / "datasets" / "measurements").glob("*.jsonl"):
+        with p.open() as f:
+            for line in f:
+                try:
+                    cpus.add((json.loads(line).get("provenance") or {}).get("mcpu"))
+                except ValueError:
+                    continue
+    return cpus - {None}
+
+
+def retrain_and_report(py: str, deadline: float, enabled: bool) -> None:
+    """Retrain on everything collected (exit 3: already current), and regenerate the evaluation
+    reports unless they were made from the shipped model's data."""
+    if run([py, "train.py", "--skip-if-current"], deadline) not in (0, 3):
+        return
+    commit("Ranker retrained on all cross-measurements", enabled, extra=["models"])
+    if not reports_current() and run([py, "bench/ranker_eval.py"], deadline) >= 0:
+        commit("Ranker evaluation report", enabled)
+        # does MetaSchedule's per-store program feature help? (answer in bench/results)
+        if run([py, "bench/program_features.py"], deadline) >= 0:
+            commit("Program-feature evaluation", enabled)
+
+
 def long_dir(net: str) -> Path:
     """A long run starts from scratch with one runtime thread per core (the donor runs used
     one thread), so its curve is MetaSchedule's own search under the same conditions as ttrank."""
@@ -96,6 +126,9 @@ def main() -> int:
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--commit", action="store_true", help="git-commit datasets/ after each step")
     ap.add_argument("--steps", nargs="+", default=["donors", "collect", "long", "evaluate", "recommend", "builder"])
+    ap.add_argument("--collect-here", action="store_true",
+                    help="collect cross-measurements on this CPU even when the tables were collected on "
+                         "another one (hours; the collector keeps each CPU's rows apart)")
     args = ap.parse_args()
     import psutil
 
@@ -116,21 +149,23 @@ def main() -> int:
     if not donors_complete(ORDER):
         print("donors incomplete; later steps wait for them", flush=True)
         return 0
+    from ttrank.target import host_mcpu
+
+    here, have = host_mcpu(), dataset_cpus()
+    if "collect" in args.steps and have and here not in have and not args.collect_here:
+        # a session on another CPU would start the whole collection over for that CPU; the open
+        # issues need the long runs and the paper runs first (--collect-here to do it anyway)
+        print(f"collect: the tables were measured on {', '.join(sorted(have))}, this host is {here}; "
+              "skipped (--collect-here collects for this CPU)", flush=True)
+        args.steps = [s for s in args.steps if s != "collect"]
+        retrain_and_report(py, deadline, args.commit)
     if "collect" in args.steps:
         for net in ORDER:
             if run(["ttrank", "collect", net, "--max-per-kernel", "24", "--budget-minutes", "{left}",
                     "--quiet"], deadline) < 0:
                 return 0
             commit(f"Cross-measurements: {net}", args.commit)
-        # retrain on everything collected (exit 3: already current), and regenerate the
-        # evaluation reports unless they were made from the model's data
-        if run([py, "train.py", "--skip-if-current"], deadline) in (0, 3):
-            commit("Ranker retrained on all cross-measurements", args.commit, extra=["models"])
-            if not reports_current() and run([py, "bench/ranker_eval.py"], deadline) >= 0:
-                commit("Ranker evaluation report", args.commit)
-                # does MetaSchedule's per-store program feature help? (answer in bench/results)
-                if run([py, "bench/program_features.py"], deadline) >= 0:
-                    commit("Program-feature evaluation", args.commit)
+        retrain_and_report(py, deadline, args.commit)
     if "long" in args.steps:
         for net in LONG:
             work = long_dir(net)

@@ -301,6 +301,9 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         # a run resumed from a log written before threads were recorded ran with these
         "provenance": {"threads": runtime_threads(), **(old.get("provenance") or provenance(target))},
         "last_run": provenance(target),
+        # every CPU the search measured on: a run resumed on another machine says so
+        "cpus": sorted({*old.get("cpus", [(old.get("provenance") or {}).get("mcpu")] if old else []),
+                        provenance(target)["mcpu"]} - {None}),
         "model_latency_ms": old.get("model_latency_ms") if old.get("trials_done") == progress.trials_done else None,
         "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
                    "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
