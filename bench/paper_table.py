@@ -186,6 +186,8 @@ def evaluation_run(net: str, store, shipped) -> dict:
             "log": str(log.work_dir.relative_to(ROOT)),
             "log_trials": log.manifest.get("trials_done"), "log_trials_per_task": log.manifest.get("trials_per_task"),
             "log_search_seconds": log.manifest.get("search_seconds"),
+            # the CPUs MetaSchedule searched on (its schedules are re-measured here, on this one)
+            "log_cpus": log.manifest.get("cpus") or [(log.manifest.get("provenance") or {}).get("mcpu")],
             "weights": log.weights, "steps_seconds": {n: [s.seconds for s in st] for n, st in log.steps.items()},
             "global_seconds": {n: [s.global_s for s in st] for n, st in log.steps.items()},
             "measured": sbs.to_json(), "whole_model_ms": whole,
@@ -280,6 +282,7 @@ def row_of(run: dict) -> dict:
            "metaschedule_trials": run["log_trials"], "metaschedule_trials_per_task": run["log_trials_per_task"],
            "metaschedule_seconds_to_match": {}, "metaschedule_time_ratio": {},
            "whole_model_ms": run["whole_model_ms"],
+           "cpu": (run.get("provenance") or {}).get("mcpu"), "metaschedule_cpus": run.get("log_cpus") or [],
            "ort_latency_ratio_top3": run["whole_model_ms"]["ttrank_top3"] / run["whole_model_ms"]["onnxruntime"],
            "curve": [(t, 1e3 * v) for t, v in model_curve(curves, order, w, untuned)]}
     for meth in METHODS:
@@ -370,9 +373,11 @@ def write_outputs(table: dict) -> None:
          "top-k: the fastest of ttrank's ranks 1..k over the whole donor pool of the other networks; "
          "exhaustive: the fastest of the top 5 and the collected random sample (search time: the whole "
          "pool measured); paper: the paired donor's exact-class schedules, tiles as they are.", "",
-         "| network | untuned | MS max (trials/task) | paper | top-1 | top-3 | top-5 | exhaustive | "
-         "% max top-3 | % max paper | MS time ratio top-3 | whole top-3 / MS / ORT | top-3 / ORT |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "CPU: where the run measured everything; MetaSchedule's schedules come from the search named "
+         "after it (tuned on that CPU, re-measured on this one).", "",
+         "| network | CPU (MS tuned on) | untuned | MS max (trials/task) | paper | top-1 | top-3 | top-5 | "
+         "exhaustive | % max top-3 | % max paper | MS time ratio top-3 | whole top-3 / MS / ORT | top-3 / ORT |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, fmt="{:.1f}"):
         return fmt.format(x) if x is not None else "-"
@@ -380,7 +385,8 @@ def write_outputs(table: dict) -> None:
     for net, r in table["networks"].items():
         lt, pm, wm = r["latency_ms"], r["pct_max_speedup"], r["whole_model_ms"]
         tr = r["metaschedule_time_ratio"]["top3"]
-        L.append(f"| {net} | {f(lt['untuned'], '{:.0f}')} | {f(lt['metaschedule_max'])} "
+        L.append(f"| {net} | {r.get('cpu') or '?'} ({', '.join(c for c in r.get('metaschedule_cpus', []) if c) or '?'}) "
+                 f"| {f(lt['untuned'], '{:.0f}')} | {f(lt['metaschedule_max'])} "
                  f"({r['metaschedule_trials_per_task']}) | {f(lt['paper'])} | {f(lt['top1'])} | "
                  f"{f(lt['top3'])} | {f(lt['top5'])} | {f(lt['exhaustive'])} | "
                  f"{f(100 * pm['top3'] if pm['top3'] is not None else None, '{:.0f}%')} | "

@@ -4,7 +4,6 @@ train the XGBoost ranker, rank without measuring, recommend, learn from the run.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,12 +139,17 @@ def test_rank_returns_scored_candidates_without_measuring(trained, donor_dir, ti
 
 def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     report = tmp_path / "report.json"
-    rc = main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(trained),
+    # a ranker whose labels were measured on another CPU: recommend says so, and measures here
+    elsewhere = Ranker.load(trained).save(tmp_path / "elsewhere.json", data_cpus={"sapphirerapids": 9})
+    rc = main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(elsewhere),
                "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
                "--top-k", "2", "--no-progress"])
-    assert rc == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "learned from measurements on sapphirerapids" in " ".join(out.out.split())
     r = json.loads(report.read_text())
     assert r["max_abs_error_vs_onnxruntime"] < 1e-3
+    assert r["provenance"]["ranker_data_cpus"] == ["sapphirerapids"]
     assert r["model_latency_ms"]["tuned"] > 0 and r["model_latency_ms"]["onnxruntime"] > 0
     assert r["search_seconds"]["total"] > 0
     tuned = [k for k in r["kernels"] if k["status"] == "tuned"]
@@ -299,6 +303,12 @@ def test_train_on_new_logs(donor_dir, tmp_path, monkeypatch, capsys):
     assert "ingested" in text and "trained on" in text
     r = Ranker.load(out)
     assert r.metadata["training_rows"] > 0 and r.metadata["cpu"] and r.metadata["tvm"]
+    # it carries the CPU its labels were measured on (here, this one)
+    from ttrank.ranker import data_cpus
+    from ttrank.target import host_mcpu
+
+    assert data_cpus(r.metadata) == [host_mcpu()]
+    assert sum(r.metadata["data_cpus"].values()) == r.metadata["training_rows"]
     table = tmp_path / "cache" / "data" / "measurements" / "tiny_cnn.jsonl"
     assert table.exists()
     # the model knows its data: a leave-one-out refit reads the same tables

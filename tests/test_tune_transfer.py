@@ -8,14 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from ttrank import donors, frontend, kernels, measure, transfer
 from ttrank.cli import main
 from ttrank.target import make_target
-from ttrank.tune import count_trials, repair_database
+from ttrank.tune import count_trials
 
 from conftest import DONOR_KERNELS
 

@@ -10,6 +10,8 @@ from .engine import KernelReport, Result  # noqa: E402
 from .errors import TTRankError  # noqa: E402
 from .transfer import Candidate  # noqa: E402
 
+__all__ = ["Candidate", "KernelReport", "Result", "TTRankError", "load", "rank", "recommend"]
+
 
 def load(path, input_shapes=None, fast_math: bool = False):
     """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:

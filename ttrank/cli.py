@@ -302,6 +302,16 @@ def cmd_recommend(args) -> int:
 
             con.print(f"leave-one-out: refitting the ranker without {net}'s measurements")
             ranker = ranker_without(net, ranker, store)
+    from .ranker import data_cpus
+    from .target import host_mcpu
+
+    trained = data_cpus(ranker.metadata)
+    if trained and target.attrs.get("mcpu") not in trained and args.rpc_tracker is None:
+        # rankings carry over between x86 CPUs; what is measured here decides the winner
+        con.print(f"note: the ranker learned from measurements on {', '.join(trained)}; this CPU is "
+                  f"{target.attrs.get('mcpu') or host_mcpu()}. Its top {args.top_k or ranker.metadata.get('top_k', 3)} "
+                  "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
+                  "teach it this CPU.")
     output = args.output or f"{model.name}.so"
     busy = machine_busy()
     if busy and (args.rpc_tracker is None):

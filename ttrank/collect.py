@@ -268,7 +268,9 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                     meta.append({"network": r["network"], "workload": wh, "record": r["record"],
                                  "latency_s": r["latency_s"], "weight": k.weight,
                                  "donor_network": r.get("donor_network"),
-                                 "untuned_s": r.get("untuned_s")})
+                                 "untuned_s": r.get("untuned_s"),
+                                 "mcpu": (r.get("provenance") or {}).get("mcpu"),
+                                 "cpu": (r.get("provenance") or {}).get("cpu")})
                 groups.append(len(usable))
     from .features import FEATURE_NAMES
 

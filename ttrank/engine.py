@@ -365,7 +365,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     from .collect import UNTUNED, compact_provenance, is_current, same_cpu
     from .donors import DonorStore
     from .measure import Measurer, RunnerSpec
-    from .ranker import Ranker
+    from .ranker import Ranker, data_cpus
     from .target import make_target, provenance, target_key
     from .transfer import transfer
     from .util import append_jsonl, cache_dir
@@ -614,6 +614,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                    "total": round(time.time() - t_start, 2)},
                   str(target), compiled, {**provenance(target), "fast_math": model.fast_math,
                                           "top_k": top_k, "minor_share": minor_share,
+                                          "ranker_data_cpus": data_cpus(ranker.metadata),
                                           "measure_budget_s": measure_budget_s,
                                           "candidates_left_unmeasured": unmeasured})
 

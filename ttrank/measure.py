@@ -53,7 +53,6 @@ def _export(rt_mod, artifact_dir: str) -> str:
 def _random_args(func, seed: int = 0):
     """Deterministic inputs for a PrimFunc: normal floats, zero integers (always in bounds)."""
     import numpy as np
-    import tvm
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     rng = np.random.default_rng(seed)

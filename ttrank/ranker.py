@@ -24,6 +24,13 @@ def relevance(latencies: list[float | None]) -> np.ndarray:
     return np.array([best / x if (best and x) else 0.0 for x in latencies], dtype=np.float32)
 
 
+def data_cpus(metadata: dict) -> list[str]:
+    """The CPUs (mcpu) a ranker's training labels were measured on (older files: its ``mcpu``)."""
+    if metadata.get("data_cpus"):
+        return list(metadata["data_cpus"])
+    return [c.strip() for c in str(metadata.get("mcpu") or "").split(",") if c.strip()]
+
+
 class Ranker:
     """An XGBoost learning-to-rank model over :data:`ttrank.features.FEATURE_NAMES`.
 

@@ -50,6 +50,13 @@ def data_hash(ds: Dataset) -> str:
     return h.hexdigest()[:16]
 
 
+def data_cpus_of(ds: Dataset) -> dict[str, int]:
+    """Rows per CPU (mcpu) the labels were measured on, most first."""
+    from collections import Counter
+
+    return dict(Counter(m.get("mcpu") or "unknown" for m in ds.meta).most_common())
+
+
 def candidate_configs(objectives: tuple[str, ...] = OBJECTIVES) -> list[dict]:
     """Ranker settings the evaluation chooses among: each objective, with and without the
     adapted-tile features (kept only where leave-one-out says they help)."""
@@ -181,11 +188,15 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report["top_k"] = choose_top_k(loo, max_k=5)
     ranker = Ranker(n_estimators=n_estimators, **best).fit(ds.X, ds.y, ds.groups)
     prov = provenance()
+    # the ranker carries the CPU its labels were measured on, not the one it was fitted on
+    data_cpus = data_cpus_of(ds)
+    models = sorted({m.get("cpu") or "unknown" for m in ds.meta})
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
                 measurement_dirs=[_portable(d) for d in dirs], threads=prov.get("threads"),
                 top_k=report["top_k"], stage2=report.get("stage2"),
-                cpu=prov["cpu"], mcpu=prov["mcpu"], tvm=prov["tvm"], date=prov["date"],
+                cpu=", ".join(models), mcpu=", ".join(data_cpus), data_cpus=data_cpus,
+                fitted_on={"cpu": prov["cpu"], "mcpu": prov["mcpu"]}, tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "configs"})
     report["model"] = str(out)
     return report
