@@ -27,6 +27,12 @@ def test_cost_model_learns_from_a_tuning_log(donor_dir, target, tmp_path, monkey
         assert y[rs.workload == w].max() == pytest.approx(1.0)
     again = programs.record_set(donor_dir, target)  # from the cache
     assert np.array_equal(np.nan_to_num(again.X), np.nan_to_num(rs.X))
+    # on a CPU the log was not tuned on, its own machine's latencies still teach the cost model
+    from ttrank.target import make_target
+
+    other = "icelake-server" if target.attrs.get("mcpu") != "icelake-server" else "znver4"
+    elsewhere = programs.record_set(donor_dir, make_target({"kind": "llvm", "mcpu": other, "num-cores": 2}))
+    assert np.array_equal(elsewhere.latency_s, rs.latency_s)
 
     m = programs.fit_cost_model([donor_dir], target, n_estimators=60)
     pred = m.predict(rs.X)

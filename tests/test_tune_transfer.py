@@ -65,6 +65,27 @@ def test_kill_9_then_resume(tmp_path):
     assert store.records() and not store.reports[0].skipped.get("malformed line")
 
 
+def test_ctrl_c_says_interrupted_and_resumes(tmp_path):
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "ttrank.cli", "tune", "zoo:tiny_cnn", "--out", str(out),
+           "--trials-per-task", "32", "--only", "fused_conv2d1_add_relu", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    log = out / "trials.jsonl"
+    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= 1):
+        time.sleep(0.2)
+    # what Ctrl-C sends to the terminal's process group (before, it could crash the process
+    # inside MetaSchedule's native loop)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert "stopping after the current batch" in err
+    assert "interrupted; finished work is kept" in err and "internal error" not in err
+    assert subprocess.call(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+    assert json.loads((out / "tune_manifest.json").read_text())["complete"]
+
+
 def test_store_skips_bad_lines_and_other_targets(donor_dir, tmp_path):
     bad = tmp_path / "foreign"
     bad.mkdir()

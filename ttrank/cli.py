@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import json
 import logging
 import sys
@@ -205,14 +206,18 @@ def _native_stderr_captured(enabled: bool):
         yield
         return
     sys.stderr.flush()
+    from . import util
+
     saved = os.dup(2)
     os.dup2(fd, 2)
+    util.USER_STDERR_FD[0] = saved
     failed = True
     try:
         yield
         failed = False
     finally:
         sys.stderr.flush()
+        util.USER_STDERR_FD[0] = 2
         os.dup2(saved, 2)
         os.close(saved)
         os.close(fd)
@@ -635,6 +640,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--threads must be at least 1")
         # before TVM's thread pool starts here, and inherited by every measuring worker
         os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    from .util import on_sigint
+
+    interrupted = []
+
+    def handler(signum, frame):
+        # TVM's FFI turns a KeyboardInterrupt raised inside a native call into a RuntimeError
+        interrupted.append(True)
+        on_sigint(signum, frame)
+
+    old_handler = signal.signal(signal.SIGINT, handler) if _main_thread() else None
     try:
         with _native_stderr_captured(not args.verbose):
             return int(args.func(args) or 0)
@@ -645,12 +660,24 @@ def main(argv: list[str] | None = None) -> int:
         print("ttrank: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
         return 130
     except Exception as e:  # a bug, not bad input: one line, the traceback with -v
+        if interrupted:
+            print("ttrank: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
+            return 130
         if args.verbose:
             raise
         msg = str(e).strip().splitlines()
         print(f"ttrank: internal error: {type(e).__name__}: {msg[-1] if msg else ''} "
               f"(rerun with -v for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

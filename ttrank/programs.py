@@ -107,8 +107,9 @@ def relative_throughput(latency_s: np.ndarray, workload: np.ndarray) -> np.ndarr
 
 
 def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = None) -> RecordSet:
-    """The trials of a donor work_dir as a :class:`RecordSet`; cached by the log's content,
-    since extraction takes about 0.02 s per trial."""
+    """The trials of a donor work_dir as a :class:`RecordSet` (those tuned for ``target``, or
+    if none, for the log's own machine); cached by the log's content, since extraction takes
+    about 0.02 s per trial."""
     import tvm
     import tvm_ffi
 
@@ -120,17 +121,25 @@ def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = Non
     files = [_db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)]
     if None in files:
         raise RankerError(f"{work_dir}: not a MetaSchedule work_dir")
+    # "own machine": sets cached before the fallback below held no trials on a new CPU
     key = hashlib.sha256(json.dumps([sha256_of(*files), PROGRAM_FEATURE_VERSION, tvm.__version__,
-                                     target_key(target)]).encode()).hexdigest()[:20]
+                                     target_key(target), "own machine"]).encode()).hexdigest()[:20]
     path = cache_dir() / "program_features" / "records" / f"{work_dir.name}-{key}.npz"
     if path.exists():
         z = np.load(path, allow_pickle=False)
         return RecordSet(work_dir.name, z["X"], z["latency_s"], z["workload"])
     featurizer = featurizer or Featurizer(target)
+    records = open_database(work_dir).get_all_tuning_records()
+    keys = [_record_target_key(r.target) for r in records]
+    # one machine's latencies per log: this target's if the log has any, else those of the
+    # machine it was tuned on (its most common target). Relative throughput carries over
+    # between CPUs far better than no cost model at all on a host the donors never saw.
     want = target_key(target)
+    if want not in keys and keys:
+        want = max(set(keys), key=keys.count)
     X, lat, wl = [], [], []
-    for r in open_database(work_dir).get_all_tuning_records():
-        if _record_target_key(r.target) != want:
+    for r, k in zip(records, keys):
+        if k != want:
             continue
         secs = [float(s) for s in (r.run_secs or [])]
         X.append(featurizer.of_candidates([r.as_measure_candidate()])[0])

@@ -22,7 +22,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
 from .target import make_target, provenance, runtime_threads
-from .util import append_jsonl, atomic_write_json, read_jsonl
+from .util import STOP_REQUESTED, append_jsonl, atomic_write_json, read_jsonl, stop_at_safe_points
 
 log = logging.getLogger("ttrank")
 
@@ -128,6 +128,12 @@ class _TrialLogger(PyMeasureCallback):
                          "error": (err or "")[:200] or None, "time": time.time()})
         append_jsonl(self.path, rows)
         self.on_batch(len(rows), lat)
+        if STOP_REQUESTED.is_set():  # Ctrl-C: leave the native loop now that the batch is logged
+            raise _StopTuning()
+
+
+class _StopTuning(Exception):
+    pass
 
 
 def count_trials(work_dir: str | Path) -> dict[str, dict]:
@@ -241,12 +247,20 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             callbacks = list(ms.measure_callback.MeasureCallback.create("default"))
             callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
                                           clock, on_batch))
-            ms.tune.tune_tasks(
-                tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
-                max_trials_global=remaining, max_trials_per_task=remaining,
-                num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
-                runner=runner, database=database, measure_callbacks=callbacks,
-                task_scheduler="round-robin", cost_model="xgb")
+            try:
+                with stop_at_safe_points():
+                    ms.tune.tune_tasks(
+                        tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
+                        max_trials_global=remaining, max_trials_per_task=remaining,
+                        num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
+                        runner=runner, database=database, measure_callbacks=callbacks,
+                        task_scheduler="round-robin", cost_model="xgb")
+            except Exception:
+                if STOP_REQUESTED.is_set():  # the logged trials and the database are kept
+                    raise KeyboardInterrupt from None
+                raise
+            if STOP_REQUESTED.is_set():
+                raise KeyboardInterrupt
             append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
                                                   "search_s": round(clock(), 3),
                                                   "target": tp.target_trials})

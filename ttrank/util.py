@@ -8,7 +8,9 @@ import gzip
 import hashlib
 import json
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,3 +114,36 @@ def sha256_of(*paths: str | Path) -> str:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C inside MetaSchedule's native search loop: a KeyboardInterrupt raised there, in the
+# middle of a C++ -> Python callback, can crash the process (seen: SIGSEGV). Inside
+# ``stop_at_safe_points()`` the first Ctrl-C only asks the code to stop at its next safe point.
+
+STOP_REQUESTED = threading.Event()
+_SAFE_SECTIONS = [0]
+USER_STDERR_FD = [2]  # the terminal's stderr while fd 2 is captured into a log (cli)
+
+
+@contextlib.contextmanager
+def stop_at_safe_points() -> Iterator[None]:
+    """Within: the first Ctrl-C sets :data:`STOP_REQUESTED` (checked between batches)."""
+    if not _SAFE_SECTIONS[0]:
+        STOP_REQUESTED.clear()
+    _SAFE_SECTIONS[0] += 1
+    try:
+        yield
+    finally:
+        _SAFE_SECTIONS[0] -= 1
+
+
+def on_sigint(signum, frame) -> None:
+    """SIGINT handler: a stop request inside a safe section, else (or the second time) a
+    KeyboardInterrupt as usual."""
+    if _SAFE_SECTIONS[0] and not STOP_REQUESTED.is_set():
+        STOP_REQUESTED.set()
+        with contextlib.suppress(OSError):
+            os.write(USER_STDERR_FD[0], b"ttrank: stopping after the current batch (Ctrl-C again to stop at once)\n")
+        return
+    signal.default_int_handler(signum, frame)
