@@ -89,17 +89,10 @@ def reports_current() -> bool:
 
 def dataset_cpus() -> set[str]:
     """The CPUs (mcpu) the cross-measurement tables were collected on."""
-    import json
+    from ttrank.util import read_jsonl
 
-    cpus = set()
-    for p in (ROOT / "datasets" / "measurements").glob("*.jsonl"):
-        with p.open() as f:
-            for line in f:
-                try:
-                    cpus.add((json.loads(line).get("provenance") or {}).get("mcpu"))
-                except ValueError:
-                    continue
-    return cpus - {None}
+    return {(r.get("provenance") or {}).get("mcpu")
+            for p in (ROOT / "datasets" / "measurements").glob("*.jsonl") for r in read_jsonl(p)} - {None}
 
 
 def retrain_and_report(py: str, deadline: float, enabled: bool) -> None:

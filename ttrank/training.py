@@ -190,12 +190,12 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     prov = provenance()
     # the ranker carries the CPU its labels were measured on, not the one it was fitted on
     data_cpus = data_cpus_of(ds)
-    models = sorted({m.get("cpu") or "unknown" for m in ds.meta})
+    cpu_models = sorted({m.get("cpu") or "unknown" for m in ds.meta})
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
                 measurement_dirs=[_portable(d) for d in dirs], threads=prov.get("threads"),
                 top_k=report["top_k"], stage2=report.get("stage2"),
-                cpu=", ".join(models), mcpu=", ".join(data_cpus), data_cpus=data_cpus,
+                cpu=", ".join(cpu_models), mcpu=", ".join(data_cpus), data_cpus=data_cpus,
                 fitted_on={"cpu": prov["cpu"], "mcpu": prov["mcpu"]}, tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "configs"})
     report["model"] = str(out)

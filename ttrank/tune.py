@@ -256,10 +256,9 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                         runner=runner, database=database, measure_callbacks=callbacks,
                         task_scheduler="round-robin", cost_model="xgb")
             except Exception:
-                if STOP_REQUESTED.is_set():  # the logged trials and the database are kept
-                    raise KeyboardInterrupt from None
-                raise
-            if STOP_REQUESTED.is_set():
+                if not STOP_REQUESTED.is_set():
+                    raise
+            if STOP_REQUESTED.is_set():  # the logged trials and the database are kept
                 raise KeyboardInterrupt
             append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
                                                   "search_s": round(clock(), 3),
@@ -297,6 +296,8 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
                     prior_search: float) -> None:
     path = work_dir / MANIFEST_FILE
     old = json.loads(path.read_text()) if path.exists() else {}
+    prov = provenance(target)
+    earlier_cpus = old.get("cpus") or [(old.get("provenance") or {}).get("mcpu")]
     manifest = {
         "model": model_name,
         "trials_per_task": trials_per_task,
@@ -312,11 +313,10 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "search_seconds": round(max(progress.search_s, prior_search), 1),
         "estimated_ms": progress.estimated_ms(),
         # a run resumed from a log written before threads were recorded ran with these
-        "provenance": {"threads": runtime_threads(), **(old.get("provenance") or provenance(target))},
-        "last_run": provenance(target),
+        "provenance": {"threads": runtime_threads(), **(old.get("provenance") or prov)},
+        "last_run": prov,
         # every CPU the search measured on: a run resumed on another machine says so
-        "cpus": sorted({*old.get("cpus", [(old.get("provenance") or {}).get("mcpu")] if old else []),
-                        provenance(target)["mcpu"]} - {None}),
+        "cpus": sorted({*earlier_cpus, prov["mcpu"]} - {None}),
         "model_latency_ms": old.get("model_latency_ms") if old.get("trials_done") == progress.trials_done else None,
         "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
                    "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
