@@ -31,10 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from paper_table import LONG, LONG_TRIALS  # noqa: E402
 from tune_donors import ORDER  # noqa: E402
-
-LONG = ["resnet18", "mobilenetv2", "resnet50", "bert"]
-LONG_TRIALS = 200
 
 
 def run(cmd: list[str], deadline: float) -> int:
