@@ -367,7 +367,8 @@ def product_rows(nets: list[str]) -> dict:
                     "ttrank_ms": lat.get("tuned"), "onnxruntime_ms": lat.get("onnxruntime"),
                     "speedup": r.get("speedup_vs_untuned"), "ort_ratio": r.get("latency_vs_onnxruntime"),
                     "kernels_tuned": f"{r['kernels_tuned']}/{r['kernels']}",
-                    "threads": (r.get("provenance") or {}).get("threads", 1)}
+                    "threads": (r.get("provenance") or {}).get("threads", 1),
+                    "cpu": (r.get("provenance") or {}).get("mcpu"), "date": (r.get("provenance") or {}).get("date")}
     return out
 
 
@@ -451,13 +452,15 @@ def write_outputs(table: dict) -> None:
               "its default top-k (bench/recommend_zoo.py), as the run reported them. Threads: the TVM runtime's "
               "(rows with 1 predate one thread per core, and timed TVM and onnxruntime one after the other).", "",
               "| network | kernels tuned | untuned ms | ttrank ms | speedup | onnxruntime ms | ttrank / ORT | "
-              "recommend s | threads |", "|---|---|---|---|---|---|---|---|---|"]
+              "recommend s | threads | CPU, date |", "|---|---|---|---|---|---|---|---|---|---|"]
         for net, r in table["recommend"].items():
             L.append(f"| {net} | {r['kernels_tuned']} | {f(r['untuned_ms'], '{:.0f}')} | {f(r['ttrank_ms'], '{:.2f}')} | "
                      f"{f(r['speedup'], '{:.1f}x')} | {f(r['onnxruntime_ms'], '{:.2f}')} | "
-                     f"{f(r['ort_ratio'], '{:.2f}')} | {f(r['recommend_seconds'], '{:.0f}')} | {r['threads']} |")
+                     f"{f(r['ort_ratio'], '{:.2f}')} | {f(r['recommend_seconds'], '{:.0f}')} | {r['threads']} | "
+                     f"{r.get('cpu') or '?'}, {(r.get('date') or '?')[:10]} |")
     if table["missing"]:
-        L += ["", "Not measured yet (no cross-measurement table or tuning log): " + ", ".join(table["missing"])]
+        L += ["", "Not measured yet (its cross-measurements, its tuning log or its long MetaSchedule run is "
+                  "missing): " + ", ".join(table["missing"])]
     atomic_write_text(RESULTS / "paper_table.md", "\n".join(L) + "\n")
     plot(table, RESULTS / "paper_table.png")
     print("\n".join(L))
