@@ -471,6 +471,7 @@ def plot(table: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     nets = list(table["networks"])
     if not nets:
@@ -493,6 +494,7 @@ def plot(table: dict, path: Path) -> None:
         ax.axhline(u / r["whole_model_ms"]["onnxruntime"] * r["latency_ms"]["top3"] / r["whole_model_ms"]["ttrank_top3"],
                    ls="--", color="gray", lw=0.8, label="onnxruntime (scaled)")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # a narrow range crowds them
         ax.set_title(net, fontsize=9)
         ax.set_xlabel("search seconds", fontsize=8)
         ax.set_ylabel("speedup over untuned", fontsize=8)
