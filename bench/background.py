@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from paper_table import LONG, LONG_TRIALS  # noqa: E402
+from recommend_bench import long_dir  # noqa: E402
 from tune_donors import ORDER  # noqa: E402
 
 
@@ -104,12 +105,6 @@ def retrain_and_report(py: str, deadline: float, enabled: bool) -> None:
         # does MetaSchedule's per-store program feature help? (answer in bench/results)
         if run([py, "bench/program_features.py"], deadline) >= 0:
             commit("Program-feature evaluation", enabled)
-
-
-def long_dir(net: str) -> Path:
-    """A long run starts from scratch with one runtime thread per core (the donor runs used
-    one thread), so its curve is MetaSchedule's own search under the same conditions as ttrank."""
-    return ROOT / "datasets" / "metaschedule_long" / net
 
 
 def main() -> int:

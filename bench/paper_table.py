@@ -46,7 +46,7 @@ RESULTS = ROOT / "bench" / "results"
 RUNS = RESULTS / "paper_runs"
 sys.path.insert(0, str(ROOT / "bench"))
 
-from recommend_bench import metaschedule_dir as ms_dir  # noqa: E402
+from recommend_bench import long_dir, metaschedule_dir as ms_dir  # noqa: E402
 from tune_donors import ORDER  # noqa: E402
 
 KS = (1, 3, 5)
@@ -362,13 +362,12 @@ def product_rows(nets: list[str]) -> dict:
         r, net = zoo.get(key), key
         if not r or "error" in r:
             continue
-        lat = r["model_latency_ms"]
+        lat, prov = r["model_latency_ms"], r.get("provenance") or {}
         out[net] = {"recommend_seconds": r["recommend_seconds"], "untuned_ms": lat.get("untuned"),
                     "ttrank_ms": lat.get("tuned"), "onnxruntime_ms": lat.get("onnxruntime"),
                     "speedup": r.get("speedup_vs_untuned"), "ort_ratio": r.get("latency_vs_onnxruntime"),
                     "kernels_tuned": f"{r['kernels_tuned']}/{r['kernels']}",
-                    "threads": (r.get("provenance") or {}).get("threads", 1),
-                    "cpu": (r.get("provenance") or {}).get("mcpu"), "date": (r.get("provenance") or {}).get("date")}
+                    "threads": prov.get("threads", 1), "cpu": prov.get("mcpu"), "date": prov.get("date")}
     return out
 
 
@@ -426,23 +425,23 @@ def write_outputs(table: dict) -> None:
     if a:
         L += ["", "| average over networks | paper | top-1 | top-3 | top-5 | exhaustive |",
               "|---|---|---|---|---|---|"]
-        L.append("| % of max speedup | " + " | ".join(
-            f(100 * a[f'pct_max_speedup_{m}'] if a[f'pct_max_speedup_{m}'] is not None else None, '{:.0f}%')
-            for m in METHODS[4:] + METHODS[:4]) + " |")
-        L.append("| speedup over untuned | " + " | ".join(
-            f(a[f'speedup_{m}'], '{:.1f}x') for m in METHODS[4:] + METHODS[:4]) + " |")
-        L.append("| MetaSchedule time ratio (geomean) | " + " | ".join(
-            ('>' if a[f'metaschedule_time_ratio_{m}_is_lower_bound'] and a[f'metaschedule_time_ratio_{m}'] else '') +
-            f(a[f'metaschedule_time_ratio_{m}'], '{:.1f}x') for m in METHODS[4:] + METHODS[:4]) + " |")
-        ref = a.get("networks_reference") or []
-        if ref:
-            L.append(f"| % of max speedup, long runs on this machine ({', '.join(ref)}) | " + " | ".join(
-                f(100 * a[f'pct_max_speedup_{m}_reference'] if a[f'pct_max_speedup_{m}_reference'] is not None
-                  else None, '{:.0f}%') for m in METHODS[4:] + METHODS[:4]) + " |")
-            L.append("| MetaSchedule time ratio, long runs on this machine | " + " | ".join(
-                ('>' if a[f'metaschedule_time_ratio_{m}_reference_is_lower_bound']
-                 and a[f'metaschedule_time_ratio_{m}_reference'] else '') +
-                f(a[f'metaschedule_time_ratio_{m}_reference'], '{:.1f}x') for m in METHODS[4:] + METHODS[:4]) + " |")
+        order = METHODS[4:] + METHODS[:4]  # paper first, as the header
+
+        def pct(suffix: str) -> str:
+            return " | ".join(f(100 * v if (v := a[f'pct_max_speedup_{m}{suffix}']) is not None else None, '{:.0f}%')
+                              for m in order)
+
+        def ratio(suffix: str) -> str:
+            return " | ".join(('>' if a[f'metaschedule_time_ratio_{m}{suffix}_is_lower_bound']
+                               and a[f'metaschedule_time_ratio_{m}{suffix}'] else '')
+                              + f(a[f'metaschedule_time_ratio_{m}{suffix}'], '{:.1f}x') for m in order)
+
+        L.append(f"| % of max speedup | {pct('')} |")
+        L.append("| speedup over untuned | " + " | ".join(f(a[f'speedup_{m}'], '{:.1f}x') for m in order) + " |")
+        L.append(f"| MetaSchedule time ratio (geomean) | {ratio('')} |")
+        if ref := a.get("networks_reference"):
+            L.append(f"| % of max speedup, long runs on this machine ({', '.join(ref)}) | {pct('_reference')} |")
+            L.append(f"| MetaSchedule time ratio, long runs on this machine | {ratio('_reference')} |")
         L += ["", f"ttrank top-3 whole-model latency / onnxruntime, average: {a['ort_latency_ratio_top3']:.2f}"
                   + (f" (CNNs only: {a['ort_latency_ratio_top3_cnn']:.2f})"
                      if a.get("ort_latency_ratio_top3_cnn") is not None else "")]
@@ -527,7 +526,7 @@ def main() -> int:
             if not (DATASET_MEASUREMENTS / f"{net}.jsonl").exists() or ms_dir(net) is None:
                 print(f"{net}: skipped (needs its cross-measurements and its tuning log)")
                 continue
-            if net in LONG and ms_dir(net) != ROOT / "datasets" / "metaschedule_long" / net:
+            if net in LONG and ms_dir(net) != long_dir(net):
                 # measured against the 64-trial log, the run would be stale once the long one ends
                 print(f"{net}: skipped (its long MetaSchedule run is not finished)")
                 continue

@@ -79,11 +79,17 @@ def paused_background(enabled: bool):
                 q.send_signal(signal.SIGCONT)
 
 
+def long_dir(net: str) -> Path:
+    """Where ``net``'s long MetaSchedule run lives (>= 200 trials per task, one runtime thread per
+    core, from scratch), beside its 64-trial donor run in datasets/donors/."""
+    return ROOT / "datasets" / "metaschedule_long" / net
+
+
 def metaschedule_dir(net: str) -> Path | None:
     """The longest finished MetaSchedule run for ``net``."""
     from ttrank.convergence import finished_run
 
-    return finished_run(ROOT / "datasets" / "metaschedule_long" / net, ROOT / "datasets" / "donors" / net)
+    return finished_run(long_dir(net), ROOT / "datasets" / "donors" / net)
 
 
 def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
