@@ -45,6 +45,7 @@ def run(builder_kind: str, trials: int, per_iter: int) -> dict:
     from ttrank import frontend, kernels, zoo
     from ttrank.measure import RunnerSpec, WarmPoolBuilder
     from ttrank.target import make_target, provenance
+    from ttrank.tune import metaschedule_logging
 
     target = make_target()
     with tempfile.TemporaryDirectory() as d:
@@ -52,17 +53,19 @@ def run(builder_kind: str, trials: int, per_iter: int) -> dict:
         mod = kernels.fuse(frontend.load(path).mod)
         task = next(t for t in ms.relax_integration.extract_tasks(mod, target)
                     if t.task_name.startswith("fused_conv2d1_add1_relu"))
-        ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts([task], d, seed=0)
+        with metaschedule_logging():
+            ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts([task], d, seed=0)
         inner = (WarmPoolBuilder() if builder_kind == "ttrank" else
                  ms.builder.LocalBuilder(timeout_sec=120.0) if builder_kind == "stock-timeout120" else
                  ms.builder.LocalBuilder())
         builder = _timed(inner)
         runner = RunnerSpec(repeat=1, number=3).create()
         t0 = time.time()
-        db = ms.tune.tune_tasks(tasks=ctxs, task_weights=weights, work_dir=d,
-                                max_trials_global=trials, max_trials_per_task=trials,
-                                num_trials_per_iter=per_iter, builder=builder, runner=runner,
-                                database="memory", task_scheduler="round-robin")
+        with metaschedule_logging():
+            db = ms.tune.tune_tasks(tasks=ctxs, task_weights=weights, work_dir=d,
+                                    max_trials_global=trials, max_trials_per_task=trials,
+                                    num_trials_per_iter=per_iter, builder=builder, runner=runner,
+                                    database="memory", task_scheduler="round-robin")
         elapsed = time.time() - t0
         recs = db.get_all_tuning_records()
         valid = [r for r in recs if r.run_secs and min(float(s) for s in r.run_secs) < 1e9]

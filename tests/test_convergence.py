@@ -70,3 +70,27 @@ def test_tune_extends_a_finished_run(donor_dir, tmp_path):
     assert after == before + 2
     assert main(args) == 0
     assert count_trials(work)[kernel]["done"] == after
+
+
+def test_tuning_keeps_an_applications_own_log_handlers(tmp_path):
+    """An application (or pytest >= 9.2's log capture) may attach handlers to MetaSchedule's
+    logger; MetaSchedule's logging set-up must neither crash on them nor drop them."""
+    import logging
+
+    from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+
+    from ttrank.tune import MS_LOGGER, metaschedule_logging
+
+    ms_logger = logging.getLogger(MS_LOGGER)
+    unnamed, named = logging.NullHandler(), logging.NullHandler()
+    named.set_name("my_service")
+    ms_logger.addHandler(unnamed)
+    ms_logger.addHandler(named)
+    try:
+        for run in range(2):  # a library process tunes more than once
+            with metaschedule_logging():
+                get_loggers_from_work_dir(str(tmp_path / f"run{run}"), ["fused_conv2d_add"])
+            assert unnamed in ms_logger.handlers and named in ms_logger.handlers
+    finally:
+        ms_logger.removeHandler(unnamed)
+        ms_logger.removeHandler(named)

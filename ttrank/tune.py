@@ -11,6 +11,7 @@ database file; :func:`repair_database` moves it aside (never dropping a whole li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -241,14 +242,14 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             if on_progress:
                 on_progress(progress)
             # batches never exceed what the budget leaves, measured by this run's pace
-            ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-                [task], str(work_dir), seed=seed)
-            _quiet_console_handlers()
+            with metaschedule_logging():  # it creates MetaSchedule's loggers, as tune_tasks does
+                ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+                    [task], str(work_dir), seed=seed)
             callbacks = list(ms.measure_callback.MeasureCallback.create("default"))
             callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
                                           clock, on_batch))
             try:
-                with stop_at_safe_points():
+                with stop_at_safe_points(), metaschedule_logging():
                     ms.tune.tune_tasks(
                         tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
                         max_trials_global=remaining, max_trials_per_task=remaining,
@@ -275,13 +276,35 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     return progress
 
 
-def _quiet_console_handlers() -> None:
-    """MetaSchedule re-creates its console handler per task at DEBUG; follow the CLI's -v."""
-    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+MS_LOGGER = "tvm.s_tir.meta_schedule"
+
+
+@contextlib.contextmanager
+def metaschedule_logging():
+    """Let MetaSchedule (re)configure its logger, and keep every handler an application put there.
+
+    Each ``tune_tasks`` call runs a ``logging.config.dictConfig`` that lists the handlers already
+    on MetaSchedule's logger *by name*; a handler it did not create (unnamed, or unknown to that
+    config: pytest >= 9.2 attaches its capture handler to every non-propagating logger, and a
+    service may attach its own) makes it raise ``'NoneType' object has no attribute 'format'``
+    or "Unable to configure handler". So such handlers are detached for the call and put back.
+    """
+    ms_logger = logging.getLogger(MS_LOGGER)
+    foreign = [h for h in ms_logger.handlers
+               if not (h.get_name() or "").startswith(MS_LOGGER + ".")]
+    for h in foreign:
+        ms_logger.removeHandler(h)
+    # MetaSchedule re-creates its console handler per task at DEBUG: follow the CLI's -v
     level = logging.INFO if logging.getLogger("ttrank").isEnabledFor(logging.INFO) else logging.ERROR
     for h in ms_logger.handlers:
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
             h.setLevel(level)
+    try:
+        yield
+    finally:
+        for h in foreign:
+            if h not in ms_logger.handlers:
+                ms_logger.addHandler(h)
 
 
 def _read_manifest(work_dir: Path) -> dict:
