@@ -66,18 +66,66 @@ class GraphBuilder:
 
     # --- CNN layers -------------------------------------------------------------------------
     def conv(self, x: str, cin: int, cout: int, k: int | tuple[int, int], stride: int = 1,
-             pad: int | tuple[int, int] | None = None, groups: int = 1, bias: bool = True) -> str:
+             pad: int | tuple[int, int] | None = None, groups: int = 1, bias: bool = True,
+             dilation: int = 1) -> str:
         kh, kw = (k, k) if isinstance(k, int) else k
         if pad is None:
-            pad = (kh // 2, kw // 2)
+            pad = (dilation * (kh // 2), dilation * (kw // 2))
         ph, pw = (pad, pad) if isinstance(pad, int) else pad
         fan_in = cin // groups * kh * kw
         w = self.weight((cout, cin // groups, kh, kw), math.sqrt(2.0 / fan_in))
         ins = [x, w]
         if bias:
             ins.append(self.const(self.rng.normal(0, 0.01, cout).astype(np.float32), "b"))
+        # the attribute only when it is not the default, so older networks stay byte-identical
+        extra = {"dilations": [dilation, dilation]} if dilation != 1 else {}
         return self.node("Conv", ins, "conv", kernel_shape=[kh, kw], strides=[stride, stride],
-                         pads=[ph, pw, ph, pw], group=groups)
+                         pads=[ph, pw, ph, pw], group=groups, **extra)
+
+    def conv1d(self, x: str, cin: int, cout: int, k: int, stride: int = 1,
+               pad: int | None = None, groups: int = 1, dilation: int = 1) -> str:
+        """A 1-D convolution on [N, C, L], as audio and sequence models export it."""
+        pad = dilation * (k // 2) if pad is None else pad
+        w = self.weight((cout, cin // groups, k), math.sqrt(2.0 / (cin // groups * k)))
+        b = self.const(self.rng.normal(0, 0.01, cout).astype(np.float32), "b")
+        return self.node("Conv", [x, w, b], "conv1d", kernel_shape=[k], strides=[stride],
+                         pads=[pad, pad], group=groups, dilations=[dilation])
+
+    def conv_transpose(self, x: str, cin: int, cout: int, k: int, stride: int,
+                       pad: int = 0, bias: bool = True) -> str:
+        """A transposed (fractionally strided) convolution, as upsampling heads export it."""
+        w = self.weight((cin, cout, k, k), math.sqrt(2.0 / (cin * k * k)))
+        ins = [x, w]
+        if bias:
+            ins.append(self.const(self.rng.normal(0, 0.01, cout).astype(np.float32), "b"))
+        return self.node("ConvTranspose", ins, "convT", kernel_shape=[k, k],
+                         strides=[stride, stride], pads=[pad, pad, pad, pad])
+
+    def batchnorm(self, x: str, c: int) -> str:
+        """An explicit BatchNormalization node: exporters keep them where they cannot fold
+        (after a transposed conv, in Paddle exports), unlike the folded ones of the builders."""
+        scale = self.const(self.rng.uniform(0.5, 1.5, c).astype(np.float32), "bn_s")
+        bias = self.const(self.rng.normal(0, 0.1, c).astype(np.float32), "bn_b")
+        mean = self.const(self.rng.normal(0, 0.1, c).astype(np.float32), "bn_m")
+        var = self.const(self.rng.uniform(0.5, 1.5, c).astype(np.float32), "bn_v")
+        return self.node("BatchNormalization", [x, scale, bias, mean, var], "bn", epsilon=1e-5)
+
+    def resize(self, x: str, scale: float, mode: str = "nearest") -> str:
+        """Upsampling by a constant factor (Resize with scales), as FPNs and decoders export it."""
+        scales = self.const(np.array([1.0, 1.0, scale, scale], np.float32), "scales")
+        attrs = {"mode": mode}
+        if mode == "linear":
+            attrs["coordinate_transformation_mode"] = "half_pixel"
+        return self.node("Resize", [x, "", scales], "resize", **attrs)
+
+    def hardswish(self, x: str) -> str:
+        return self.node("HardSwish", [x])
+
+    def hardsigmoid(self, x: str) -> str:
+        return self.node("HardSigmoid", [x], alpha=1.0 / 6, beta=0.5)
+
+    def concat(self, xs: list[str], axis: int = 1) -> str:
+        return self.node("Concat", xs, "concat", axis=axis)
 
     def relu(self, x: str) -> str:
         return self.node("Relu", [x])
@@ -118,10 +166,10 @@ class GraphBuilder:
         b = self.const(np.zeros(cout, np.float32), "b")
         return self.node("Add", [self.node("MatMul", [x, w]), b], "linear")
 
-    def layer_norm(self, x: str, dim: int) -> str:
+    def layer_norm(self, x: str, dim: int, eps: float = 1e-12) -> str:
         g = self.const(np.ones(dim, np.float32), "ln_g")
         b = self.const(np.zeros(dim, np.float32), "ln_b")
-        return self.node("LayerNormalization", [x, g, b], "ln", axis=-1, epsilon=1e-12)
+        return self.node("LayerNormalization", [x, g, b], "ln", axis=-1, epsilon=eps)
 
     def no_norm(self, x: str, dim: int) -> str:
         """MobileBERT's NoNorm: an element-wise affine map instead of a layer norm."""
@@ -137,11 +185,23 @@ class GraphBuilder:
         e = self.node("Erf", [self.node("Mul", [x, rsqrt2])])
         return self.node("Mul", [self.node("Mul", [x, half]), self.node("Add", [e, one])], "gelu")
 
+    def gelu_tanh(self, x: str) -> str:
+        """GPT-2's tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+        c = self.const(np.array(0.044715, np.float32))
+        k = self.const(np.array(math.sqrt(2.0 / math.pi), np.float32))
+        half = self.const(np.array(0.5, np.float32))
+        one = self.const(np.array(1.0, np.float32))
+        cube = self.node("Mul", [self.node("Mul", [x, x]), x])
+        inner = self.node("Mul", [self.node("Add", [x, self.node("Mul", [cube, c])]), k])
+        t = self.node("Tanh", [inner])
+        return self.node("Mul", [self.node("Mul", [x, half]), self.node("Add", [t, one])],
+                         "gelu_tanh")
+
     def reshape(self, x: str, shape: list[int]) -> str:
         return self.node("Reshape", [x, self.const(np.array(shape, np.int64), "shape")])
 
     def attention(self, q_in: str, k_in: str, v_in: str, d_qk_in: int, d_v_in: int, d: int,
-                  heads: int, seq: int, mask: str) -> str:
+                  heads: int, seq: int, mask: str | None) -> str:
         """Multi-head self-attention; returns the context [1, seq, d] before the output dense."""
         hd = d // heads
         q = self.linear(q_in, d_qk_in, d)
@@ -155,7 +215,9 @@ class GraphBuilder:
         kt = self.node("Transpose", [kh], perm=[0, 1, 3, 2])
         scores = self.node("MatMul", [qh, kt], "scores")
         scale = self.const(np.array(math.sqrt(hd), np.float32))
-        scores = self.node("Add", [self.node("Div", [scores, scale]), mask])
+        scores = self.node("Div", [scores, scale])
+        if mask is not None:  # encoders of images (ViT) have none
+            scores = self.node("Add", [scores, mask])
         probs = self.node("Softmax", [scores], axis=-1)
         ctx = self.node("MatMul", [probs, vh], "ctx")
         ctx = self.node("Transpose", [ctx], perm=[0, 2, 1, 3])
@@ -470,13 +532,299 @@ def mobilebert(layers: int = 24, hidden: int = 512, bottleneck: int = 128, heads
 
 
 # --------------------------------------------------------------------------------------------
+# Donor pool v2: the families users deploy, with the operators the paper's 11 lack
+
+
+def _cbs(g: GraphBuilder, x: str, cin: int, cout: int, k: int, s: int = 1) -> str:
+    """Conv (batch norm folded) + SiLU: the YOLO/CSP building block."""
+    return g.silu(g.conv(x, cin, cout, k, s))
+
+
+def yolo(size: int = 416, dynamic: bool = False, width: float = 0.25, depth: float = 0.34,
+         classes: int = 80, seed: int = 0) -> onnx.ModelProto:
+    """A YOLOv8-style detector (n scale): CSP backbone with C2f blocks, SPPF, an FPN/PAN neck with
+    nearest upsampling and concats, and decoupled box/class heads at strides 8, 16 and 32."""
+    g = GraphBuilder("yolo", seed)
+
+    def ch(c: int) -> int:
+        return _make_divisible(c * width, 8)
+
+    def c2f(x: str, cin: int, cout: int, n: int, shortcut: bool) -> str:
+        hidden = cout // 2
+        y = _cbs(g, x, cin, 2 * hidden, 1)
+        parts = [g.node("Slice", [y, g.const(np.array([0], np.int64)),
+                                  g.const(np.array([hidden], np.int64)),
+                                  g.const(np.array([1], np.int64))]),
+                 g.node("Slice", [y, g.const(np.array([hidden], np.int64)),
+                                  g.const(np.array([2 * hidden], np.int64)),
+                                  g.const(np.array([1], np.int64))])]
+        for _ in range(n):
+            b = _cbs(g, _cbs(g, parts[-1], hidden, hidden, 3), hidden, hidden, 3)
+            parts.append(g.add(parts[-1], b) if shortcut else b)
+        return _cbs(g, g.concat(parts), (2 + n) * hidden, cout, 1)
+
+    def reps(n: int) -> int:
+        return max(1, round(n * depth))
+
+    x = _cbs(g, _image_input(g, size, dynamic), 3, ch(64), 3, 2)
+    x = _cbs(g, x, ch(64), ch(128), 3, 2)
+    x = c2f(x, ch(128), ch(128), reps(3), True)
+    x = _cbs(g, x, ch(128), ch(256), 3, 2)
+    p3 = c2f(x, ch(256), ch(256), reps(6), True)
+    x = _cbs(g, p3, ch(256), ch(512), 3, 2)
+    p4 = c2f(x, ch(512), ch(512), reps(6), True)
+    x = _cbs(g, p4, ch(512), ch(1024), 3, 2)
+    x = c2f(x, ch(1024), ch(1024), reps(3), True)
+    # SPPF: three chained 5x5 max pools, concatenated
+    y = _cbs(g, x, ch(1024), ch(512), 1)
+    m1 = g.maxpool(y, 5, 1, 2)
+    m2 = g.maxpool(m1, 5, 1, 2)
+    m3 = g.maxpool(m2, 5, 1, 2)
+    p5 = _cbs(g, g.concat([y, m1, m2, m3]), 4 * ch(512), ch(1024), 1)
+    # top-down
+    n4 = c2f(g.concat([g.resize(p5, 2.0), p4]), ch(1024) + ch(512), ch(512), reps(3), False)
+    n3 = c2f(g.concat([g.resize(n4, 2.0), p3]), ch(512) + ch(256), ch(256), reps(3), False)
+    # bottom-up
+    d4 = c2f(g.concat([_cbs(g, n3, ch(256), ch(256), 3, 2), n4]), ch(256) + ch(512), ch(512),
+             reps(3), False)
+    d5 = c2f(g.concat([_cbs(g, d4, ch(512), ch(512), 3, 2), p5]), ch(512) + ch(1024), ch(1024),
+             reps(3), False)
+    outs = []
+    box_c, cls_c = max(16, ch(256) // 4, 64), max(ch(256), min(classes, 100))
+    for feat, c in ((n3, ch(256)), (d4, ch(512)), (d5, ch(1024))):
+        box = g.conv(_cbs(g, _cbs(g, feat, c, box_c, 3), box_c, box_c, 3), box_c, 64, 1, 1, 0)
+        cls = g.conv(_cbs(g, _cbs(g, feat, c, cls_c, 3), cls_c, cls_c, 3), cls_c, classes, 1, 1, 0)
+        head = g.concat([box, cls])
+        outs.append(g.reshape(head, [1, 64 + classes, -1]))
+    det = g.node("Sigmoid", [g.concat(outs, axis=2)], "det")
+    n_anchors = sum((size // s) ** 2 for s in (8, 16, 32))
+    g.output(det, ["batch", 64 + classes, "anchors"] if dynamic else [1, 64 + classes, n_anchors])
+    return g.model()
+
+
+def dbnet(size: int = 640, dynamic: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """A DB-style text detector (DBNet, ResNet-18 backbone): FPN with nearest upsampling and
+    concat, then the probability head: conv + batch norm + ReLU, two transposed convs (each
+    followed by an un-folded batch norm, as Paddle2ONNX exports it) back to full resolution."""
+    g = GraphBuilder("dbnet", seed)
+    x = g.relu(g.conv(_image_input(g, size, dynamic), 3, 64, 7, 2, 3))
+    x = g.maxpool(x, 3, 2, 1)
+    feats, cin = [], 64
+    for stage, planes in enumerate([64, 128, 256, 512]):
+        for i in range(2):
+            stride = 2 if (i == 0 and stage > 0) else 1
+            y = g.conv(g.relu(g.conv(x, cin, planes, 3, stride)), planes, planes, 3)
+            short = g.conv(x, cin, planes, 1, stride, 0) if (stride != 1 or cin != planes) else x
+            x = g.relu(g.add(y, short))
+            cin = planes
+        feats.append((x, planes))
+    inner = 256
+    lat = [g.conv(f, c, inner, 1, 1, 0, bias=False) for f, c in feats]
+    for i in (2, 1, 0):  # top-down: upsample the coarser map and add
+        lat[i] = g.add(lat[i], g.resize(lat[i + 1], 2.0))
+    outs = []
+    for i, t in enumerate(lat):
+        o = g.conv(t, inner, inner // 4, 3, bias=False)
+        outs.append(g.resize(o, float(2 ** i)) if i else o)
+    fuse = g.concat(outs)  # [1, 256, size/4, size/4]
+    h = g.relu(g.batchnorm(g.conv(fuse, inner, inner // 4, 3, bias=False), inner // 4))
+    h = g.relu(g.batchnorm(g.conv_transpose(h, inner // 4, inner // 4, 2, 2), inner // 4))
+    prob = g.node("Sigmoid", [g.conv_transpose(h, inner // 4, 1, 2, 2)], "prob")
+    g.output(prob, ["batch", 1, "height", "width"] if dynamic else [1, 1, size, size])
+    return g.model()
+
+
+def unet(size: int = 256, dynamic: bool = False, base: int = 32, classes: int = 2,
+         seed: int = 0) -> onnx.ModelProto:
+    """A U-Net for segmentation: double conv + batch norm + ReLU blocks, max-pool encoder, a
+    decoder of 2x2 stride-2 transposed convs whose outputs are concatenated with the skips."""
+    g = GraphBuilder("unet", seed)
+
+    def block(x: str, cin: int, cout: int) -> str:
+        x = g.relu(g.batchnorm(g.conv(x, cin, cout, 3, bias=False), cout))
+        return g.relu(g.batchnorm(g.conv(x, cout, cout, 3, bias=False), cout))
+
+    x = _image_input(g, size, dynamic)
+    skips, cin = [], 3
+    for i in range(4):
+        x = block(x, cin, base * 2**i)
+        cin = base * 2**i
+        skips.append(x)
+        x = g.maxpool(x, 2, 2)
+    x = block(x, cin, base * 16)
+    cin = base * 16
+    for i in (3, 2, 1, 0):
+        c = base * 2**i
+        up = g.conv_transpose(x, cin, c, 2, 2)
+        x = block(g.concat([skips[i], up]), 2 * c, c)
+        cin = c
+    x = g.conv(x, cin, classes, 1, 1, 0)
+    g.output(x, ["batch", classes, "height", "width"] if dynamic else [1, classes, size, size])
+    return g.model()
+
+
+def mobilenet_v3(size: int = 224, dynamic: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """MobileNetV3-Large (torchvision): hardswish, squeeze-excitation with hardsigmoid."""
+    # kernel, expanded, out, SE, activation, stride
+    cfg = [(3, 16, 16, False, "RE", 1), (3, 64, 24, False, "RE", 2), (3, 72, 24, False, "RE", 1),
+           (5, 72, 40, True, "RE", 2), (5, 120, 40, True, "RE", 1), (5, 120, 40, True, "RE", 1),
+           (3, 240, 80, False, "HS", 2), (3, 200, 80, False, "HS", 1),
+           (3, 184, 80, False, "HS", 1), (3, 184, 80, False, "HS", 1),
+           (3, 480, 112, True, "HS", 1), (3, 672, 112, True, "HS", 1),
+           (5, 672, 160, True, "HS", 2), (5, 960, 160, True, "HS", 1),
+           (5, 960, 160, True, "HS", 1)]
+    g = GraphBuilder("mobilenetv3", seed)
+    x = g.hardswish(g.conv(_image_input(g, size, dynamic), 3, 16, 3, 2))
+    cin = 16
+    for k, exp, cout, se, act, s in cfg:
+        def a(t: str) -> str:
+            return g.hardswish(t) if act == "HS" else g.relu(t)
+
+        y = a(g.conv(x, cin, exp, 1, 1, 0)) if exp != cin else x
+        y = a(g.conv(y, exp, exp, k, s, groups=exp))
+        if se:
+            sq = _make_divisible(exp // 4)
+            w = g.relu(g.conv(g.gap(y), exp, sq, 1, 1, 0))
+            y = g.node("Mul", [y, g.hardsigmoid(g.conv(w, sq, exp, 1, 1, 0))], "se_scale")
+        y = g.conv(y, exp, cout, 1, 1, 0)
+        x = g.add(x, y) if (s == 1 and cin == cout) else y
+        cin = cout
+    x = g.hardswish(g.conv(x, cin, 960, 1, 1, 0))
+    x = g.hardswish(g.fc(g.flatten(g.gap(x)), 960, 1280))
+    _classifier_output(g, g.fc(x, 1280, 1000), 1000, dynamic)
+    return g.model()
+
+
+def resnext(size: int = 224, dynamic: bool = False, groups: int = 32, width_per_group: int = 4,
+            seed: int = 0) -> onnx.ModelProto:
+    """ResNeXt-50 (32x4d, torchvision): bottlenecks whose 3x3 conv is a grouped conv."""
+    g = GraphBuilder("resnext50", seed)
+    x = g.relu(g.conv(_image_input(g, size, dynamic), 3, 64, 7, 2, 3))
+    x = g.maxpool(x, 3, 2, 1)
+    cin = 64
+    for stage, n in enumerate([3, 4, 6, 3]):
+        planes = 64 * 2**stage
+        width = planes * width_per_group * groups // 64
+        for i in range(n):
+            stride = 2 if (i == 0 and stage > 0) else 1
+            cout = planes * 4
+            y = g.relu(g.conv(x, cin, width, 1, 1, 0))
+            y = g.relu(g.conv(y, width, width, 3, stride, groups=groups))
+            y = g.conv(y, width, cout, 1, 1, 0)
+            short = g.conv(x, cin, cout, 1, stride, 0) if (stride != 1 or cin != cout) else x
+            x = g.relu(g.add(y, short))
+            cin = cout
+    _classifier_output(g, g.fc(g.flatten(g.gap(x)), cin, 1000), 1000, dynamic)
+    return g.model()
+
+
+def deeplab(size: int = 384, dynamic: bool = False, classes: int = 21,
+            seed: int = 0) -> onnx.ModelProto:
+    """DeepLabV3 (ResNet-18 backbone at output stride 16): the last stage's convs dilated, ASPP
+    with dilation rates 6, 12 and 18 and a pooled branch, bilinear upsampling to the input."""
+    g = GraphBuilder("deeplabv3", seed)
+    x = g.relu(g.conv(_image_input(g, size, dynamic), 3, 64, 7, 2, 3))
+    x = g.maxpool(x, 3, 2, 1)
+    cin = 64
+    for stage, planes in enumerate([64, 128, 256, 512]):
+        for i in range(2):
+            stride = 2 if (i == 0 and 0 < stage < 3) else 1
+            dil = 2 if stage == 3 else 1
+            y = g.relu(g.conv(x, cin, planes, 3, stride, dilation=dil))
+            y = g.conv(y, planes, planes, 3, dilation=dil)
+            short = g.conv(x, cin, planes, 1, stride, 0) if (stride != 1 or cin != planes) else x
+            x = g.relu(g.add(y, short))
+            cin = planes
+    branches = [g.relu(g.conv(x, cin, 256, 1, 1, 0))]
+    branches += [g.relu(g.conv(x, cin, 256, 3, dilation=r)) for r in (6, 12, 18)]
+    pooled = g.relu(g.conv(g.gap(x), cin, 256, 1, 1, 0))
+    branches.append(g.resize(pooled, float(size // 16)))
+    y = g.relu(g.conv(g.concat(branches), 5 * 256, 256, 1, 1, 0))
+    y = g.relu(g.conv(y, 256, 256, 3))
+    y = g.conv(y, 256, classes, 1, 1, 0)
+    y = g.resize(y, 16.0, mode="linear")
+    g.output(y, ["batch", classes, "height", "width"] if dynamic else [1, classes, size, size])
+    return g.model()
+
+
+def audio_cnn(frames: int = 512, mels: int = 64, classes: int = 35, dynamic: bool = False,
+              seed: int = 0) -> onnx.ModelProto:
+    """A 1-D convolutional keyword/audio classifier on log-mel frames [1, mels, frames]: a
+    strided stem, residual blocks of conv1d (kernel 9 and 3, some dilated), global average pool."""
+    g = GraphBuilder("audio_cnn", seed)
+    x = g.input("mel", ["batch", mels, "frames"] if dynamic else [1, mels, frames])
+    x = g.relu(g.conv1d(x, mels, 128, 9, 2))
+    cin = 128
+    for cout, n, stride in ((128, 2, 1), (256, 2, 2), (512, 2, 2)):
+        for i in range(n):
+            s = stride if i == 0 else 1
+            y = g.relu(g.conv1d(x, cin, cout, 9, s))
+            y = g.conv1d(y, cout, cout, 3, dilation=2 if i else 1)
+            short = g.conv1d(x, cin, cout, 1, s, 0) if (s != 1 or cin != cout) else x
+            x = g.relu(g.add(y, short))
+            cin = cout
+    x = g.node("ReduceMean", [x], "pool", axes=[2], keepdims=0)  # opset 17: axes an attribute
+    _classifier_output(g, g.fc(x, cin, classes), classes, dynamic)
+    return g.model()
+
+
+def vit(size: int = 224, patch: int = 16, hidden: int = 192, layers: int = 12, heads: int = 3,
+        mlp: int = 768, dynamic: bool = False, seed: int = 0,
+        name: str = "vit_tiny") -> onnx.ModelProto:
+    """ViT/DeiT-tiny: patch-embedding conv, class token, pre-LN encoder (eps 1e-6, erf-GELU),
+    softmax attention over 197 tokens, classifier on the class token."""
+    g = GraphBuilder(name, seed)
+    x = g.conv(_image_input(g, size, dynamic), 3, hidden, patch, patch, 0)
+    seq = (size // patch) ** 2 + 1
+    x = g.node("Transpose", [g.reshape(x, [1, hidden, seq - 1])], perm=[0, 2, 1])
+    cls = g.const(g.rng.normal(0, 0.02, (1, 1, hidden)).astype(np.float32), "cls_token")
+    x = g.concat([cls, x], axis=1)
+    x = g.add(x, g.const(g.rng.normal(0, 0.02, (1, seq, hidden)).astype(np.float32), "pos_emb"))
+    for _ in range(layers):
+        h = g.layer_norm(x, hidden, eps=1e-6)
+        ctx = g.attention(h, h, h, hidden, hidden, hidden, heads, seq, None)
+        x = g.add(x, g.linear(ctx, hidden, hidden))
+        h = g.gelu(g.linear(g.layer_norm(x, hidden, eps=1e-6), hidden, mlp))
+        x = g.add(x, g.linear(h, mlp, hidden))
+    x = g.layer_norm(x, hidden, eps=1e-6)
+    first = g.node("Gather", [x, g.const(np.array(0, np.int64))], "cls", axis=1)
+    _classifier_output(g, g.fc(first, hidden, 1000), 1000, dynamic)
+    return g.model()
+
+
+def gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, seq: int = 128,
+         vocab: int = 50257, dynamic: bool = False, seed: int = 0,
+         name: str = "gpt2") -> onnx.ModelProto:
+    """GPT-2 (small) decoder as HF exports it: pre-LN, causal attention mask, tanh-GELU, final
+    layer norm and the tied language-model head over the whole vocabulary."""
+    g = GraphBuilder(name, seed)
+    ids = g.input("input_ids", ["batch", "sequence"] if dynamic else [1, seq], TensorProto.INT64)
+    wte = g.weight((vocab, hidden), 0.02, "wte")
+    x = g.node("Gather", [wte, ids], "embed", axis=0)
+    x = g.add(x, g.const(g.rng.normal(0, 0.01, (1, seq, hidden)).astype(np.float32), "wpe"))
+    causal = np.triu(np.full((seq, seq), -10000.0, np.float32), 1).reshape(1, 1, seq, seq)
+    mask = g.const(causal, "causal_mask")
+    for _ in range(layers):
+        h = g.layer_norm(x, hidden, eps=1e-5)
+        ctx = g.attention(h, h, h, hidden, hidden, hidden, heads, seq, mask)
+        x = g.add(x, g.linear(ctx, hidden, hidden))
+        h = g.gelu_tanh(g.linear(g.layer_norm(x, hidden, eps=1e-5), hidden, 4 * hidden))
+        x = g.add(x, g.linear(h, 4 * hidden, hidden))
+    x = g.layer_norm(x, hidden, eps=1e-5)
+    # the head is tied to the embedding, as exports keep it: one initializer, transposed
+    logits = g.node("MatMul", [x, g.node("Transpose", [wte], "lm_head", perm=[1, 0])], "logits")
+    g.output(logits, ["batch", "sequence", vocab] if dynamic else [1, seq, vocab])
+    return g.model()
+
+
+# --------------------------------------------------------------------------------------------
 # Registry
 
 
 @dataclass(frozen=True)
 class ZooEntry:
     name: str
-    family: str  # "cnn" or "transformer"
+    family: str  # "cnn", "transformer", "detector", "segmentation" or "audio"
     build: Callable[..., onnx.ModelProto]
     description: str
     tiny: bool = False
@@ -500,6 +848,17 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("mnasnet1_0", "cnn", mnasnet, "MnasNet-1.0, 1x3x224x224"),
     ZooEntry("bert", "transformer", bert, "BERT-base uncased, 12 layers, sequence 256"),
     ZooEntry("mobilebert", "transformer", mobilebert, "MobileBERT, 24 layers, sequence 256"),
+    ZooEntry("yolo", "detector", yolo, "YOLOv8n-style detector (C2f, SPPF, PAN), 1x3x416x416"),
+    ZooEntry("dbnet", "detector", dbnet,
+             "DB-style text detector (ResNet-18 FPN, transposed-conv head), 1x3x640x640"),
+    ZooEntry("unet", "segmentation", unet, "U-Net (transposed convs, batch norm), 1x3x256x256"),
+    ZooEntry("deeplabv3", "segmentation", deeplab,
+             "DeepLabV3 (ResNet-18, dilated convs, ASPP, bilinear), 1x3x384x384"),
+    ZooEntry("mobilenetv3", "cnn", mobilenet_v3, "MobileNetV3-Large (hardswish, SE), 1x3x224x224"),
+    ZooEntry("resnext50", "cnn", resnext, "ResNeXt-50 32x4d (grouped convs), 1x3x224x224"),
+    ZooEntry("audio_cnn", "audio", audio_cnn, "1-D conv audio classifier, log-mel 1x64x512"),
+    ZooEntry("vit_tiny", "transformer", vit, "ViT/DeiT-tiny, 1x3x224x224, 197 tokens"),
+    ZooEntry("gpt2", "transformer", gpt2, "GPT-2 small decoder, causal, sequence 128"),
     ZooEntry("tiny_cnn", "cnn", tiny_cnn, "test CNN, 1x3x32x32", tiny=True),
     ZooEntry("tiny_resnet", "cnn", lambda **kw: resnet(10, size=32, width=8, classes=10, **kw),
              "ResNet-10 at width 8, 1x3x32x32", tiny=True),
@@ -514,6 +873,11 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
                                      embed=32, seq=16, vocab=100, name="tiny_mobilebert", **kw),
              "MobileBERT, 2 layers, hidden 64, sequence 16", tiny=True),
 ]}
+
+# donor pool v2: operators and shapes the paper's 11 lack (transposed convs, resize, unfolded
+# batch norm, SiLU/hardswish, grouped and dilated convs, conv1d, image and causal attention)
+FAMILY_NETWORKS = ["unet", "yolo", "mobilenetv3", "vit_tiny", "dbnet", "resnext50", "deeplabv3",
+                   "audio_cnn", "gpt2"]
 
 PAPER_NETWORKS = ["resnet18", "resnet50", "alexnet", "vgg16", "mobilenetv2", "efficientnetb0",
                   "efficientnetb4", "googlenet", "mnasnet1_0", "bert", "mobilebert"]

@@ -1,0 +1,77 @@
+"""Graph clean-ups that inference compilers do before kernels are extracted.
+
+Each pass takes and returns a Relax module as imported, so extraction, tuning and the final
+compile all see the same kernels (a schedule's workload is the fused kernel after these passes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.dpl import TupleGetItemPattern, is_const, is_op, rewrite_call, wildcard
+
+# (op, weight layout in which axis `out_axis` holds the output channels)
+_CONV_LAYOUTS = {"relax.nn.conv2d": ("OIHW", 0), "relax.nn.conv2d_transpose": ("IOHW", 1)}
+
+
+def fold_batch_norms(mod: tvm.IRModule) -> tvm.IRModule:
+    """Fold inference batch norms into the conv2d or conv2d_transpose before them.
+
+    TVM's own ``FoldBatchnormToConv2D`` covers a bias-free conv2d only; exporters also leave a
+    batch norm after a biased conv and after a transposed conv (Paddle2ONNX, torch upsampling
+    heads), where it would stay a standalone kernel that no donor covers. With constant weights,
+    ``bn(conv(x, W) + b) = conv(x, W * s) + (b - mean) * s + beta`` with ``s = gamma / sqrt(var + eps)``.
+    """
+    if "nn.batch_norm(" not in mod.script(show_meta=False):
+        return mod  # nothing to fold: the module stays exactly as imported
+    original = mod
+    mod = relax.transform.FoldConstant()(mod)  # the importer reshapes conv biases: make them constants
+    changed = False
+    for gvar, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function):
+            continue
+        new = func
+        for op_name in _CONV_LAYOUTS:
+            for with_bias in (True, False):
+                new = _fold_one_pattern(new, op_name, with_bias)
+        if not new.same_as(func):
+            mod[gvar] = new
+            changed = True
+    if not changed:
+        return original
+    seq = tvm.transform.Sequential([relax.transform.FoldConstant(),
+                                    relax.transform.DeadCodeElimination()])
+    return seq(mod)
+
+
+def _fold_one_pattern(func: relax.Function, op_name: str, with_bias: bool) -> relax.Function:
+    data, weight, bias = wildcard(), is_const(), is_const()
+    conv = is_op(op_name)(data, weight)
+    pre = is_op("relax.add")(conv, bias) if with_bias else conv
+    gamma, beta, mean, var = is_const(), is_const(), is_const(), is_const()
+    bn = is_op("relax.nn.batch_norm")(pre, gamma, beta, mean, var)
+    pattern = TupleGetItemPattern(bn, 0)
+    layout, out_axis = _CONV_LAYOUTS[op_name]
+
+    def rewriter(expr, matches):
+        conv_call, bn_call = matches[conv], matches[bn]
+        attrs = conv_call.attrs
+        if (attrs.kernel_layout != layout or attrs.data_layout != "NCHW"
+                or int(bn_call.attrs.axis) != 1 or bn_call.attrs.training
+                or (op_name.endswith("transpose") and int(attrs.groups) != 1)):
+            return expr  # a layout or grouping this fold does not cover stays as it is
+        w = matches[weight].value.numpy()
+        g, bt, mu, v = (matches[p].value.numpy().astype(np.float64) for p in (gamma, beta, mean, var))
+        scale = g / np.sqrt(v + float(bn_call.attrs.epsilon))
+        shape = [1] * w.ndim
+        shape[out_axis] = -1
+        b = matches[bias].value.numpy().reshape(-1) if with_bias else 0.0
+        if with_bias and b.size not in (1, scale.size):
+            return expr  # not a per-channel bias
+        new_w = (w * scale.reshape(shape)).astype(w.dtype)
+        new_b = ((b - mu) * scale + bt).astype(w.dtype).reshape(1, -1, 1, 1)
+        out = relax.Call(conv_call.op, [matches[data], relax.const(new_w)], attrs)
+        return relax.op.add(out, relax.const(new_b))
+
+    return rewrite_call(pattern, rewriter, func)
