@@ -75,3 +75,63 @@ def _fold_one_pattern(func: relax.Function, op_name: str, with_bias: bool) -> re
         return relax.op.add(out, relax.const(new_b))
 
     return rewrite_call(pattern, rewriter, func)
+
+
+def conv_transpose_as_conv(mod: tvm.IRModule) -> tvm.IRModule:
+    """Rewrite a transposed conv whose kernel equals its stride (the 2x2 stride-2 upsampling of
+    U-Nets and text-detector heads) as a 1x1 conv2d and a depth-to-space shuffle.
+
+    TOPI computes a transposed conv as a conv over the input dilated with zeros: with kernel 2
+    and stride 2, three of every four multiply-adds are by zero. Here every output pixel takes
+    exactly one tap, so ``y[n, o, h*k+i, w*k+j] = sum_c x[n, c, h, w] * W[c, o, i, j]``: a 1x1
+    conv to ``o*k*k`` channels (a kernel every conv2d donor covers), then a reshape.
+    """
+    if "nn.conv2d_transpose(" not in mod.script(show_meta=False):
+        return mod
+    data, weight, bias = wildcard(), is_const(), is_const()
+    conv_t = is_op("relax.nn.conv2d_transpose")(data, weight)
+    patterns = [(is_op("relax.add")(conv_t, bias), True), (conv_t, False)]
+
+    def rewriter_for(with_bias: bool):
+        def rewriter(expr, matches):
+            call = matches[conv_t]
+            a = call.attrs
+            w = matches[weight].value.numpy()
+            cin, cout, kh, kw = w.shape
+            shape = getattr(call.args[0].ty, "shape", None)
+            if (a.kernel_layout != "IOHW" or a.data_layout != "NCHW" or int(a.groups) != 1
+                    or [int(x) for x in a.strides] != [kh, kw]
+                    or any(int(x) for x in a.padding) or any(int(x) for x in a.output_padding)
+                    or any(int(x) != 1 for x in a.dilation) or shape is None
+                    or not all(isinstance(d, tvm.tirx.IntImm) for d in shape)):
+                return expr
+            n, _, h, wd = (int(d) for d in shape)
+            w2 = w.transpose(1, 2, 3, 0).reshape(cout * kh * kw, cin, 1, 1)
+            y = relax.op.nn.conv2d(matches[data], relax.const(np.ascontiguousarray(w2)))
+            if with_bias:
+                b = matches[bias].value.numpy().reshape(-1)
+                if b.size not in (1, cout):
+                    return expr
+                b = np.broadcast_to(b, (cout,))
+                # the bias of channel o repeated over its k*k sub-pixels: it stays in the conv's
+                # fused epilogue instead of the shuffle
+                y = relax.op.add(y, relax.const(np.repeat(b, kh * kw).astype(w.dtype)
+                                                .reshape(1, -1, 1, 1)))
+            y = relax.op.reshape(y, [n, cout, kh, kw, h, wd])
+            y = relax.op.permute_dims(y, [0, 1, 4, 2, 5, 3])
+            return relax.op.reshape(y, [n, cout, h * kh, wd * kw])
+        return rewriter
+
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            new = func
+            for pattern, with_bias in patterns:
+                new = rewrite_call(pattern, rewriter_for(with_bias), new)
+            if not new.same_as(func):
+                mod[gvar] = new
+    return mod
+
+
+def clean_up(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every clean-up, in order: batch norms first (they fold into a transposed conv too)."""
+    return conv_transpose_as_conv(fold_batch_norms(mod))

@@ -45,8 +45,23 @@ class Kernel:
         return self.flops > 0 or "R" in self.iter_kinds
 
     def compatible(self, other: Kernel) -> bool:
-        """A schedule of ``other`` can be replayed on this kernel: same anchor op and loop nest."""
-        return self.anchor_op == other.anchor_op and self.iter_kinds == other.iter_kinds
+        """A schedule of ``other`` can be replayed on this kernel: the same loop nest, under the
+        same anchor op or a variant of it (:data:`ANCHOR_VARIANTS`)."""
+        return other.anchor_op in anchor_family(self.anchor_op) and self.iter_kinds == other.iter_kinds
+
+
+# Anchor ops whose anchor blocks have the same loop nest (batch, out channel, rows, columns;
+# in channel, kernel rows, kernel columns) under another name: a schedule of one replays on the
+# other once its blocks are renamed (transfer maps the anchor and its padding block).
+ANCHOR_VARIANTS: dict[str, tuple[str, ...]] = {
+    "conv2d_nchw": ("conv2d_nchw", "conv2d_transpose_nchw"),
+    "conv2d_transpose_nchw": ("conv2d_transpose_nchw", "conv2d_nchw"),
+}
+
+
+def anchor_family(anchor_op: str) -> tuple[str, ...]:
+    """The anchor ops whose schedules are candidates for a kernel anchored on ``anchor_op``."""
+    return ANCHOR_VARIANTS.get(anchor_op, (anchor_op,))
 
 
 _SUFFIX = re.compile(r"(_intermediate|_red|_sum|_rf)$")
@@ -156,6 +171,8 @@ def describe(mod, name: str | None = None, weight: int = 1) -> Kernel:
     anchor_op = _norm_block_name(anchor.name_hint) if anchor is not None else "empty"
     epilogue = [_block_token(b) for b in blocks
                 if anchor is None or not b.same_as(anchor)]
+    if anchor_op == "compute" and {"data_dilate", "kernel_transform"} <= set(epilogue):
+        anchor_op = "conv2d_transpose_nchw"  # TOPI's transposed conv names its anchor "compute"
     epilogue = [t for t in epilogue if t not in ("pad_temp",)]
     attrs: dict[str, Any] = {}
     if anchor is not None and anchor_op in ("conv2d_nchw", "group_conv2d_nchw"):

@@ -217,6 +217,28 @@ def block_renames(donor_blocks: list[str], target_blocks: list[str]) -> dict[str
     return out
 
 
+# the block that pads the anchor's input, per anchor op (TOPI's names)
+_PAD_BLOCK = {"conv2d_nchw": "pad_temp", "conv2d_transpose_nchw": "data_pad"}
+
+
+def variant_renames(donor_mod, donor_op: str, target_mod, target_op: str) -> dict[str, str]:
+    """Donor block names mapped onto an op variant's: the anchor block (``conv2d_nchw`` ->
+    ``compute`` of a transposed conv) and its input padding (``pad_temp`` -> ``data_pad``).
+    Blocks only the variant has (the zero-dilation of a transposed conv's input, its kernel
+    flip) are unknown to the trace, and anchor-trace replay inlines them."""
+    from tvm import s_tir
+
+    d_anchor = s_tir.analysis.find_anchor_sblock(donor_mod)
+    t_anchor = s_tir.analysis.find_anchor_sblock(target_mod)
+    if d_anchor is None or t_anchor is None:
+        return {}
+    out = {d_anchor.name_hint: t_anchor.name_hint}
+    d_pad, t_pad = _PAD_BLOCK.get(donor_op), _PAD_BLOCK.get(target_op)
+    if d_pad and t_pad and d_pad in _block_list(donor_mod) and t_pad in _block_list(target_mod):
+        out[d_pad] = t_pad
+    return out
+
+
 def _rename_blocks(trace, renames: dict[str, str]):
     """The same trace with GetSBlock instructions looking up the target's block names."""
     from tvm import s_tir
@@ -302,7 +324,18 @@ def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
     except Exception as e:
         cand.reason = f"apply error: donor trace does not load: {_short(e)}"
         return cand
-    if adapt == "ttrank":
+    target_blocks, donor_blocks = _block_list(kernel.mod), _block_list(donor.module())
+    renames = block_renames(donor_blocks, target_blocks)
+    if donor.kernel.anchor_op != kernel.anchor_op:  # an op variant: its anchor and padding
+        renames.update(variant_renames(donor.module(), donor.kernel.anchor_op,
+                                       kernel.mod, kernel.anchor_op))
+    if renames:
+        try:
+            trace = _rename_blocks(trace, renames)
+            donor_blocks = [renames.get(b, b) for b in donor_blocks]
+        except Exception as e:
+            log.debug("block renaming failed for %s: %s", cand.id, e)
+    if adapt == "ttrank":  # after renaming, so that the target's extents are found by name
         try:
             plan = _tile_plan(trace, kernel.mod)
         except Exception as e:
@@ -311,14 +344,6 @@ def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
         for inst, change in plan:
             trace = trace.with_decision(inst, [int(x) for x in change.new], remove_postproc=True)
             cand.tile_changes.append(change)
-    target_blocks, donor_blocks = _block_list(kernel.mod), _block_list(donor.module())
-    renames = block_renames(donor_blocks, target_blocks)
-    if renames:
-        try:
-            trace = _rename_blocks(trace, renames)
-            donor_blocks = [renames.get(b, b) for b in donor_blocks]
-        except Exception as e:
-            log.debug("block renaming failed for %s: %s", cand.id, e)
     same_blocks = set(target_blocks) == set(donor_blocks)
     methods = ["replay", "anchor"] if same_blocks else ["anchor", "replay"]
     errors = []
