@@ -128,8 +128,9 @@ class _TrialLogger(PyMeasureCallback):
                          "latency_s": best, "search_s": round(now, 3),
                          "error": (err or "")[:200] or None, "time": time.time()})
         append_jsonl(self.path, rows)
-        self.on_batch(len(rows), lat)
-        if STOP_REQUESTED.is_set():  # Ctrl-C: leave the native loop now that the batch is logged
+        # on_batch says whether the budget is spent: then, as on Ctrl-C, leave the native loop
+        # now that the batch is logged (the task stays open, and a rerun continues it)
+        if self.on_batch(len(rows), lat) or STOP_REQUESTED.is_set():
             raise _StopTuning()
 
 
@@ -173,6 +174,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     from .kernels import describe, fuse
     from .measure import RunnerSpec, WarmPoolBuilder
 
+    started = time.time()
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     for note in repair_database(work_dir):
@@ -182,7 +184,11 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
         injective_trials = max(4, trials_per_task // 8)
     extracted = ms.relax_integration.extract_tasks(fuse(mod), target)
     if only:
-        extracted = [t for t in extracted if any(o in t.task_name for o in only)]
+        # a kernel's full name selects it alone (fused_conv2d1 is not fused_conv2d11); any
+        # other string selects every kernel whose name contains it
+        names = {t.task_name for t in extracted}
+        extracted = [t for t in extracted
+                     if any(t.task_name == o if o in names else o in t.task_name for o in only)]
         if not extracted:
             from .errors import TTRankError
 
@@ -218,6 +224,10 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     def clock() -> float:
         return prior_search + (time.time() - t0)
 
+    def over_budget() -> bool:
+        # the budget is wall time from the call, set-up (extraction, build workers) included
+        return progress.budget_s is not None and time.time() - started >= progress.budget_s
+
     try:
         for pos, i in enumerate(order):
             tp = progress.tasks[pos]
@@ -225,12 +235,12 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             remaining = tp.target_trials - tp.done
             if remaining <= 0:
                 continue
-            if progress.budget_s is not None and time.time() - t0 >= progress.budget_s:
+            if over_budget():
                 log.info("budget spent; stopping before %s", tp.name)
                 break
             task = extracted[i]
 
-            def on_batch(n: int, lat: list[float | None], tp=tp) -> None:
+            def on_batch(n: int, lat: list[float | None], tp=tp) -> bool:
                 tp.done += n
                 ok = [x for x in lat if x is not None]
                 if ok and (tp.best_s is None or min(ok) < tp.best_s):
@@ -238,6 +248,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                 progress.search_s = clock()
                 if on_progress:
                     on_progress(progress)
+                return over_budget()
 
             if on_progress:
                 on_progress(progress)
@@ -257,10 +268,13 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                         runner=runner, database=database, measure_callbacks=callbacks,
                         task_scheduler="round-robin", cost_model="xgb")
             except Exception:
-                if not STOP_REQUESTED.is_set():
+                if not (STOP_REQUESTED.is_set() or over_budget()):
                     raise
             if STOP_REQUESTED.is_set():  # the logged trials and the database are kept
                 raise KeyboardInterrupt
+            if over_budget() and tp.done < tp.target_trials:
+                log.info("budget spent during %s; a rerun continues it", tp.name)
+                break
             append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
                                                   "search_s": round(clock(), 3),
                                                   "target": tp.target_trials})

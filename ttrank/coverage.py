@@ -1,0 +1,117 @@
+"""Coverage: which kernels of a model the donor store has schedules for, and where the time
+left without one goes (what ``recommend`` then tunes itself)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .donors import DonorStore
+from .kernels import Kernel
+
+
+@dataclass
+class CoverageRow:
+    """One kernel: how many donor schedules can be transferred onto it."""
+
+    name: str
+    workload_class: str
+    weight: int
+    flops: float
+    candidates: int
+    donor_networks: list[str]
+    flop_share: float  # of the model's FLOPs (weight included)
+
+    @property
+    def covered(self) -> bool:
+        return self.candidates > 0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__, covered=self.covered)
+
+
+def coverage(kernels: list[Kernel], store: DonorStore,
+             exclude_networks: set[str] | frozenset = frozenset()) -> list[CoverageRow]:
+    """Per kernel, the compatible donor schedules, before anything is measured."""
+    total = sum(k.flops * k.weight for k in kernels) or 1.0
+    rows = []
+    for k in kernels:
+        pairs = store.compatible(k, set(exclude_networks))
+        rows.append(CoverageRow(k.name, k.workload_class, k.weight, k.flops, len(pairs),
+                                sorted({w.network for w, _ in pairs}),
+                                k.flops * k.weight / total))
+    return rows
+
+
+@dataclass
+class TuningPlan:
+    """A kernel ``recommend`` tunes itself, and the share of the budget it gets."""
+
+    kernel: Kernel
+    share: float  # of the model's estimated time once the chosen schedules are in
+    seconds: float
+    trials: int
+
+
+def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered: set[str],
+                 budget_s: float, min_share: float = 0.01, max_trials: int = 64,
+                 min_seconds: float = 30.0) -> list[TuningPlan]:
+    """Which kernels without a good schedule to tune natively, and for how long.
+
+    ``best_s``: each kernel's latency with what was chosen for it (untuned if nothing was);
+    ``covered``: the kernels that got a transferred schedule. A kernel left at its default
+    schedule whose share of the estimated model time is at least ``min_share`` is tuned, with
+    a budget proportional to its share (at least ``min_seconds`` each, the largest first, until
+    ``budget_s`` is spent). A kernel with no arithmetic (copies, resizes) needs few trials: its
+    search space is small.
+    """
+    est = {k.name: k.weight * (best_s.get(k.name) or 0.0) for k in kernels}
+    total = sum(est.values())
+    if budget_s <= 0 or total <= 0:
+        return []
+    left = [k for k in kernels if k.name not in covered and est[k.name] / total >= min_share]
+    left.sort(key=lambda k: -est[k.name])
+    share_left = sum(est[k.name] for k in left) / total
+    plans, spent = [], 0.0
+    for k in left:
+        share = est[k.name] / total
+        secs = max(min_seconds, budget_s * share / share_left)
+        secs = min(secs, budget_s - spent)
+        if secs < min_seconds:
+            break
+        trials = max_trials if k.flops > 0 else max(8, max_trials // 4)
+        plans.append(TuningPlan(k, share, secs, trials))
+        spent += secs
+    return plans
+
+
+def report_summary(report: dict) -> dict:
+    """Coverage numbers of a recommend run (its ``--json`` report): how much of the untuned
+    model had no candidate, and how much of the result still runs at TVM's default schedule.
+
+    Shares of the result are of the kernels' weighted latency sum with the chosen schedules
+    (the model's own latency adds glue and the VM's overhead on top)."""
+    ks = report["kernels"]
+
+    def t(k: dict) -> float:
+        return k["weight"] * (k["untuned_s"] or 0.0)
+
+    def final(k: dict) -> float:
+        best = (k.get("chosen") or {}).get("latency_s") or k["untuned_s"] or 0.0
+        return k["weight"] * best
+
+    untuned_total = sum(t(k) for k in ks) or 1.0
+    final_total = sum(final(k) for k in ks) or 1.0
+    left = [k for k in ks if k["status"] == "untuned"]
+    lat = report["model_latency_ms"]
+    return {
+        "kernels": len(ks),
+        "kernels_without_candidate": sum(1 for k in ks if not k["candidates"]),
+        "untuned_share_without_candidate": sum(t(k) for k in ks if not k["candidates"]) / untuned_total,
+        "kernels_tuned_by_recommend": [k["name"] for k in ks if k["status"] == "tuned-missing"],
+        "tuning_seconds": sum((k.get("tuning") or {}).get("seconds", 0.0) for k in ks),
+        "final_share_untuned_total": sum(final(k) for k in left) / final_total,
+        "final_share_untuned_max": max((final(k) / final_total for k in left), default=0.0),
+        "final_share_untuned_max_kernel": max(left, key=final)["name"] if left else None,
+        "speedup_vs_untuned": lat["untuned"] / lat["tuned"] if lat.get("tuned") else None,
+        "ort_ratio": lat["tuned"] / lat["onnxruntime"] if lat.get("onnxruntime") else None,
+    }
