@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import signal
+import gc
 import json
 import logging
+import os
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from .errors import TTRankError
+from . import util
+from .errors import BusyError, OutputError, TTRankError
+from .util import cache_dir, say
 
 log = logging.getLogger("ttrank")
 
@@ -51,11 +55,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "much faster swish and GELU epilogues)")
 
 
-def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False):
-    """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached)."""
+def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False, args=None):
+    """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached).
+
+    With ``args``, remembers there whether the file is valid ONNX: if TVM fails on it later,
+    an invalid file is the user's to fix, not a ttrank bug.
+    """
     from . import frontend, load
 
-    return load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
+    model = load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
+    if args is not None:
+        args.invalid_onnx = model.invalid_onnx
+    if model.simplified_because:  # the importer's own complaint went to the native log (-v)
+        say(f"note: simplified the graph with onnxslim before import: {model.simplified_because}")
+    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,7 +97,7 @@ def cmd_kernels(args) -> int:
     from . import kernels
     from .target import make_target
 
-    model = load_model_arg(args.model, args.input_shape, args.fast_math)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
     if args.json:
         print(json.dumps([k.to_json() for k in ks], indent=1))
@@ -120,7 +133,8 @@ def cmd_compile(args) -> int:
     from .target import make_target
 
     con = _console()
-    model = load_model_arg(args.model, args.input_shape, args.fast_math)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
+    _check_writable(Path(args.output).parent)  # before minutes of compiling, not after
     target = make_target(args.target)
     database = None
     if args.database:
@@ -156,13 +170,15 @@ def cmd_tune(args) -> int:
     from .target import make_target
 
     con = _console()
-    model = load_model_arg(args.model, args.input_shape, args.fast_math)
+    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     target = make_target(args.target)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} trials"), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=con, transient=False,
-                  disable=args.no_progress) as bar:
+    # MetaSchedule appends to the database files itself: one tuning run per work_dir at a time
+    with _exclusive(Path(args.out) / "tune", f"tuning into {args.out}"), \
+            Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                     TextColumn("{task.completed}/{task.total} trials"), TextColumn("{task.fields[info]}"),
+                     TimeElapsedColumn(), console=con, transient=False,
+                     disable=args.no_progress) as bar:
         job = bar.add_task(f"tune {name}", total=1, info="extracting kernels")
 
         def on_progress(p: tune.TuneProgress) -> None:
@@ -188,42 +204,55 @@ def cmd_tune(args) -> int:
     return 0
 
 
+class _NativeLog:
+    """The file that holds TVM's native stderr during a command (None with -v)."""
+
+    def __init__(self, path: str | None = None, fd: int | None = None) -> None:
+        self.path, self.fd, self.keep = path, fd, False
+
+    def explain(self) -> None:
+        """Point the user at the log before the error line, if TVM wrote anything there."""
+        if self.fd is None or self.keep:
+            return
+        sys.stderr.flush()
+        if os.fstat(self.fd).st_size > 0:
+            self.keep = True
+            say(f"TVM's native log of this run: {self.path}")
+
+
 @contextlib.contextmanager
 def _native_stderr_captured(enabled: bool):
-    """TVM's C++ warnings write straight to fd 2; keep them in a log file unless -v."""
+    """TVM's C++ warnings write straight to fd 2; keep them in a log file unless -v.
+
+    The log is kept (and its path printed, by :meth:`_NativeLog.explain`) only when a failure
+    is one it can explain and TVM wrote something; else it is removed when the command ends.
+    """
     if not enabled:
-        yield
+        yield _NativeLog()
         return
-    import tempfile
-
-    from .util import cache_dir
-
     logdir = cache_dir() / "logs"
     try:
         logdir.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(dir=logdir, prefix="native-stderr-", suffix=".log")
     except OSError:
-        yield
+        yield _NativeLog()
         return
     sys.stderr.flush()
-    from . import util
-
     saved = os.dup(2)
     os.dup2(fd, 2)
     util.USER_STDERR_FD[0] = saved
-    failed = True
+    native = _NativeLog(path, fd)
     try:
-        yield
-        failed = False
+        yield native
     finally:
+        # TVM objects of a failed step (a half-built module) print as they die: let them die here
+        gc.collect()
         sys.stderr.flush()
         util.USER_STDERR_FD[0] = 2
         os.dup2(saved, 2)
         os.close(saved)
         os.close(fd)
-        if failed:
-            print(f"ttrank: TVM's native log of this run: {path}", file=sys.stderr)
-        else:
+        if not native.keep:
             os.unlink(path)
 
 
@@ -275,13 +304,32 @@ def cmd_donors(args) -> int:
 
 
 def _runner_spec(args):
+    """The runner the flags ask for; a remote one is checked at once (tracker up, device there)."""
     from .measure import RunnerSpec
 
     if getattr(args, "rpc_tracker", None):
         if not args.device_key:
             raise TTRankError("--rpc-tracker needs --device-key KEY")
-        return RunnerSpec.from_tracker(args.rpc_tracker, args.device_key)
+        spec = RunnerSpec.from_tracker(args.rpc_tracker, args.device_key)
+        spec.check()
+        return spec
     return RunnerSpec()
+
+
+def _check_writable(folder: Path) -> None:
+    why = util.writable_dir(folder)
+    if why:
+        raise OutputError(f"cannot write into {folder}: {why}; nothing was changed")
+
+
+@contextlib.contextmanager
+def _exclusive(path: str | Path, doing: str):
+    """Hold ``path``'s lock for the command, or say at once who holds it."""
+    try:
+        with util.file_lock(path, blocking=False):
+            yield
+    except util.LockedError:
+        raise BusyError(f"another ttrank process is {doing}; wait for it to finish") from None
 
 
 def cmd_recommend(args) -> int:
@@ -293,7 +341,8 @@ def cmd_recommend(args) -> int:
     from .target import machine_busy, make_target
 
     con = _console()
-    model = load_model_arg(args.model, args.input_shape, args.fast_math)
+    runner = _runner_spec(args)  # a tracker that is down says so before any work
+    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     target = make_target(args.target)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
@@ -318,6 +367,8 @@ def cmd_recommend(args) -> int:
                   "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
                   "teach it this CPU.")
     output = args.output or f"{model.name}.so"
+    for folder in {Path(output).resolve().parent, Path(args.database or output).resolve().parent}:
+        _check_writable(folder)
     busy = machine_busy()
     if busy and (args.rpc_tracker is None):
         con.print(f"[yellow]warning: {busy}; measured latencies will be noisy, and a parallel "
@@ -334,7 +385,7 @@ def cmd_recommend(args) -> int:
             bar.update(jobs[phase], completed=done, total=total, info=info[:50])
 
         res = engine.recommend(model, target=target, store=store, ranker=ranker, top_k=args.top_k,
-                               output=output, database_dir=args.database, runner=_runner_spec(args),
+                               output=output, database_dir=args.database, runner=runner,
                                data_dir=args.data_dir, exclude_networks=exclude,
                                tune_missing=args.tune_missing, minor_share=args.minor_share,
                                measure_budget_s=(args.measure_seconds
@@ -401,7 +452,6 @@ def cmd_train(args) -> int:
         from .donors import DonorStore, add_work_dir
         from .measure import Measurer
         from .target import make_target
-        from .util import cache_dir
 
         target = make_target(args.target)
         names = []
@@ -651,27 +701,56 @@ def main(argv: list[str] | None = None) -> int:
 
     old_handler = signal.signal(signal.SIGINT, handler) if _main_thread() else None
     try:
-        with _native_stderr_captured(not args.verbose):
-            return int(args.func(args) or 0)
-    except TTRankError as e:
-        print(f"ttrank: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("ttrank: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
-        return 130
-    except Exception as e:  # a bug, not bad input: one line, the traceback with -v
-        if interrupted:
-            print("ttrank: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
-            return 130
-        if args.verbose:
-            raise
-        msg = str(e).strip().splitlines()
-        print(f"ttrank: internal error: {type(e).__name__}: {msg[-1] if msg else ''} "
-              f"(rerun with -v for the traceback)", file=sys.stderr)
-        return 1
+        with _native_stderr_captured(not args.verbose) as native:
+            return _run(args, native, bool(interrupted))
     finally:
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
+
+
+def _run(args, native: _NativeLog, interrupted: bool) -> int:
+    """Run the command; any failure ends as one line on the user's stderr, written while TVM's
+    stderr is still captured (so what dies with the failure does not print after it)."""
+    try:
+        return int(args.func(args) or 0)
+    except TTRankError as e:
+        if e.native_log:
+            native.explain()
+        say(f"error: {_one_line(e)}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        say("interrupted; finished work is kept, rerun to resume")
+        return 130
+    except Exception as e:
+        if interrupted:
+            say("interrupted; finished work is kept, rerun to resume")
+            return 130
+        why = util.write_failure(e)
+        if why:  # a full disk or a read-only folder is the user's to fix, wherever it bites
+            where = getattr(e, "filename", None)
+            say(f"error: cannot write{' ' + str(where) if where else ''}: {why}; finished work "
+                "is kept (outputs are replaced only once complete)")
+            return OutputError.exit_code
+        invalid = getattr(args, "invalid_onnx", "")
+        if invalid:  # not valid ONNX, and TVM tripped over it later: the file is the cause
+            native.explain()
+            say(f"error: {args.model} is not valid ONNX ({invalid}), and TVM failed on it: "
+                f"{type(e).__name__}: {_last_line(e)}")
+            return TTRankError.exit_code
+        if args.verbose:  # a bug, not bad input: the traceback with -v
+            raise
+        native.explain()
+        say(f"internal error: {type(e).__name__}: {_last_line(e)} (rerun with -v for the traceback)")
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[-1][:400] if lines else ""
 
 
 def _main_thread() -> bool:

@@ -13,7 +13,6 @@ import gzip
 import hashlib
 import json
 import logging
-import shutil
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -22,11 +21,12 @@ from typing import Any
 
 from .errors import StoreError
 from .kernels import Kernel
-from .util import atomic_write_bytes, atomic_write_json, cache_dir, open_text, sha256_of
+from .safety import unsafe_annotation
+from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, open_text, sha256_of
 
 log = logging.getLogger("ttrank")
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3  # 3: records with annotations TVM reads as code are skipped
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 FAILED_SECS = 1e9
@@ -189,6 +189,10 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
             except Exception:
                 report.skip("malformed line", f"{rec_path.name}:{lineno}: malformed record")
                 continue
+            key = unsafe_annotation(trace_json)
+            if key is not None:  # code for TVM's code generator, not a schedule (see safety.py)
+                report.skip("unsafe annotation", f"{rec_path.name}:{lineno}: annotation {key[:60]!r}")
+                continue
             if not (0 <= idx < len(workloads)) or workloads[idx] is None:
                 report.skip("unknown workload")
                 continue
@@ -269,7 +273,8 @@ class DonorStore:
         dirs = [Path(d) for d in work_dirs] if work_dirs is not None else default_work_dirs()
         workloads, reports = [], []
         for d in dirs:
-            ws, rep = _cached_index(d, top_k, target, use_cache)
+            with file_lock(d, shared=True):  # never halfway through a `donors add` into d
+                ws, rep = _cached_index(d, top_k, target, use_cache)
             workloads.extend(ws)
             reports.append(rep)
         return cls(workloads, reports)
@@ -386,22 +391,25 @@ def add_work_dir(src: str | Path, name: str | None = None, dest_root: Path | Non
         raise StoreError(f"{src}: no usable records ({dict(rep.skipped) or 'empty database'})")
     dest = (dest_root or user_donor_dir()) / (name or src.name)
     dest.mkdir(parents=True, exist_ok=True)
-    for fname in (WORKLOAD_FILE, RECORD_FILE):
-        s = _db_file(src, fname)
-        with open(s, "rb") as f:
-            data = f.read()
-        if s.suffix != ".gz":
-            data = gzip.compress(data)
-        atomic_write_bytes(dest / (fname + ".gz"), data)
-    for extra in ("trials.jsonl", "tune_manifest.json"):
-        if (src / extra).exists():
-            shutil.copyfile(src / extra, dest / extra)
-    if not (dest / "tune_manifest.json").exists():
-        from .target import host_cpu_model
+    # the workload and record files index each other: two adds (or an add and a reader) must
+    # never see one file of one version beside the other of another
+    with file_lock(dest):
+        for fname in (WORKLOAD_FILE, RECORD_FILE):
+            s = _db_file(src, fname)
+            with open(s, "rb") as f:
+                data = f.read()
+            if s.suffix != ".gz":
+                data = gzip.compress(data)
+            atomic_write_bytes(dest / (fname + ".gz"), data)
+        for extra in ("trials.jsonl", "tune_manifest.json"):
+            if (src / extra).exists():
+                atomic_write_bytes(dest / extra, (src / extra).read_bytes())
+        if not (dest / "tune_manifest.json").exists():
+            from .target import host_cpu_model
 
-        atomic_write_json(dest / "tune_manifest.json", {
-            "model": name or src.name, "source": str(src.resolve()),
-            "provenance": {"cpu": "unknown (added logs)", "added_on_cpu": host_cpu_model()}})
+            atomic_write_json(dest / "tune_manifest.json", {
+                "model": name or src.name, "source": str(src.resolve()),
+                "provenance": {"cpu": "unknown (added logs)", "added_on_cpu": host_cpu_model()}})
     return dest, rep
 
 

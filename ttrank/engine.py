@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckError, TTRankError
+from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
+from .util import commit_moves, finish_moves, write_failure
 
 log = logging.getLogger("ttrank")
 
@@ -33,18 +35,31 @@ def compile_model(model: LoadedModel, target, database=None):
 
 
 def export(executable, path: str | Path) -> Path:
-    """Export a compiled model to a shared library, atomically."""
+    """Export a compiled model to a shared library, atomically: when the write fails (full
+    disk, read-only folder) an :class:`OutputError` says so and the previous file is intact."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".so")
-    os.close(fd)
-    try:
-        executable.export_library(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    os.replace(export_staged(executable, path), path)
     return path
+
+
+def export_staged(executable, path: str | Path) -> Path:
+    """Export into a temp file beside ``path``, for the caller to rename into place."""
+    path = Path(path)
+    kept = f"; the previous {path.name} is left as it was" if path.exists() else ""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".so")
+        os.close(fd)
+        executable.export_library(tmp)
+    except Exception as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        why = write_failure(e)
+        if why is None:
+            raise
+        raise OutputError(f"cannot write {path}: {why}{kept}") from None
+    return Path(tmp)
 
 
 class CompiledModel:
@@ -383,6 +398,10 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     tkey = target_key(target)
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
     table = data_dir / "measurements" / f"{model.name}.jsonl"
+    db_dir = Path(database_dir) if database_dir else (
+        Path(output).with_suffix("") if output else data_dir / "databases" / model.name)
+    # a run killed while replacing these outputs left its plan: finish it, so they agree again
+    finish_moves(_commit_plan(db_dir))
     cached = {k: r for k, r in _cache_rows(table).items()
               if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
 
@@ -563,8 +582,6 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
 
     # 6: the MetaSchedule database
     t0 = time.time()
-    db_dir = Path(database_dir) if database_dir else (
-        Path(output).with_suffix("") if output else data_dir / "databases" / model.name)
     # written beside the final place, and moved there only once the outputs check out
     staged = db_dir.with_name(f".{db_dir.name}.staged")
     database = write_database(staged, kernels, chosen, target, reports, extra_db)
@@ -585,8 +602,17 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             raise CheckError(f"compiled outputs differ from onnxruntime (max abs error "
                              f"{res.max_abs_error:.3g}); kernels at fault: {', '.join(culprits)}; "
                              f"no database or library was written")
-    _swap_dir(staged, db_dir)
-    library = str(export(ex, output)) if output else None
+    # the database and the library replace the previous ones as one step (a kill between the
+    # renames is finished by the next run): never a database of one run beside another's library
+    moves = [(staged, db_dir)]
+    try:
+        if output:
+            moves.append((export_staged(ex, output), Path(output)))
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    commit_moves(moves, _commit_plan(db_dir))
+    library = str(output) if output else None
     t_compile = time.time() - t0
 
     lat = {}
@@ -646,6 +672,11 @@ def write_database(db_dir: Path, kernels, chosen: dict, target, reports=None, ex
                     rec.trace, wl, rec.run_secs, target, ArgInfo.from_prim_func(func)))
     _swap_dir(tmp, db_dir)
     return ms.database.JSONDatabase(work_dir=str(db_dir))
+
+
+def _commit_plan(db_dir: Path) -> Path:
+    """Where a recommend run writes its plan for replacing its outputs (see commit_moves)."""
+    return db_dir.with_name(f".{db_dir.name}.commit.json")
 
 
 def _swap_dir(src: Path, dst: Path) -> None:

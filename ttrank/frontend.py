@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+import psutil
 
-from .errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeError,
+                     UnsafeModelError, UnsupportedOpError)
+from .graphopt import clean_up
+from .util import to_native_log
 
 log = logging.getLogger("ttrank")
 
@@ -39,6 +48,10 @@ class LoadedModel:
     params: dict = field(default_factory=dict)
     simplified: bool = False
     fast_math: bool = False
+    # why the graph was simplified before import (what TVM's importer said of it as exported)
+    simplified_because: str = ""
+    # what ONNX's checker finds wrong with the file ("" when it is valid ONNX)
+    invalid_onnx: str = ""
 
     @property
     def name(self) -> str:
@@ -78,24 +91,194 @@ def parse_input_shapes(items: list[str] | None) -> dict[str, list[int]]:
 
 
 def read_onnx(path: str | Path) -> onnx.ModelProto:
-    """Read and validate an ONNX file; every failure becomes one clear ModelLoadError."""
+    """Read and validate an ONNX file; every failure becomes one clear ModelLoadError.
+
+    External data is read only from regular files inside the model's own folder, and only
+    after every tensor's declared size has been checked (:func:`check_sizes`).
+    """
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
     if path.is_dir():
         raise ModelLoadError(f"{path}: is a directory, not an ONNX file")
+    if not path.is_file():  # a FIFO or device would block or never end
+        raise ModelLoadError(f"{path}: not a regular file")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError and friends
-        raise ModelLoadError(f"{path}: not a valid ONNX file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: not a valid ONNX file ({type(e).__name__}: "
+                             f"{_first_line(e)})") from None
     if not model.graph.node:
         raise ModelLoadError(f"{path}: not a valid ONNX file (no graph nodes; truncated or not ONNX?)")
-    try:
-        onnx.checker.check_model(model)
-    except Exception as e:
-        # graphs over 2 GB cannot be checked in memory, and some exporters bend the spec; warn only
-        log.warning("%s: ONNX checker: %s", path, str(e).splitlines()[0])
+    external = check_external_data(model, path)
+    _check_declared(path, "tensor", [(t.name, list(t.dims), t.data_type) for t in _tensors(model.graph)])
+    if external:
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read its external data ({type(e).__name__}: "
+                                 f"{_first_line(e)})") from None
     return model
+
+
+def onnx_complaint(model: onnx.ModelProto) -> str:
+    """What ONNX's checker (with strict shape inference) finds wrong with the model, or "".
+
+    Not fatal: some exporters bend the spec and TVM imports their graphs anyway. It names
+    the cause when TVM fails later on a graph that is not valid ONNX.
+    """
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # ValidationError, InferenceError, or over 2 GB (not checkable)
+        return _first_line(e)
+    return ""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:300]
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in a graph: initializers, constants in attributes, subgraphs."""
+    yield from graph.initializer
+    for sp in graph.sparse_initializer:
+        yield from (sp.values, sp.indices)
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("sparse_tensor"):
+                yield from (a.sparse_tensor.values, a.sparse_tensor.indices)
+            for sp in a.sparse_tensors:
+                yield from (sp.values, sp.indices)
+            if a.HasField("g"):
+                yield from _tensors(a.g)
+            for g in a.graphs:
+                yield from _tensors(g)
+
+
+def check_external_data(model: onnx.ModelProto, path: Path) -> bool:
+    """Refuse tensors whose external data lies outside the model's folder (an absolute path,
+    ``..``, or a symlink leading out) or is not a regular file; True if any tensor has some.
+
+    A model file must not make ttrank read other files: a shared model could otherwise
+    copy any file the user can read into a compiled library or an error message.
+    """
+    folder = path.resolve().parent
+    found = False
+    for t in _tensors(model.graph):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        found = True
+        loc = next((e.value for e in t.external_data if e.key == "location"), "")
+        where = Path(loc)
+        full = (folder / where).resolve()
+        if not loc or where.is_absolute() or ".." in where.parts or not full.is_relative_to(folder):
+            raise UnsafeModelError(f"{path}: refused: tensor {t.name!r} keeps its data at {loc!r}, "
+                                   f"outside the model's folder {folder}; external data must be a "
+                                   "file inside that folder")
+        if not full.is_file():
+            raise ModelLoadError(f"{path}: tensor {t.name!r} keeps its data in {loc!r}, which is "
+                                 "missing or not a regular file")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes: a tensor no machine here could hold is refused before any import, compile or
+# allocation (a graph may declare a 100000x100000x1000 input, or compute a 10^12-element one)
+
+
+def max_tensor_bytes() -> int:
+    """The largest tensor ttrank accepts: this machine's memory."""
+    return int(psutil.virtual_memory().total)
+
+
+def _itemsize(elem_type: int) -> int:
+    try:
+        return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+    except Exception:  # unknown or undefined type: the importer will say so; size as float32
+        return 4
+
+
+def _check_declared(path, what: str, tensors: list[tuple[str, list[int], int]]) -> None:
+    limit = max_tensor_bytes()
+    for name, dims, elem_type in tensors:
+        if any(d < 0 for d in dims):
+            raise ModelLoadError(f"{path}: {what} {name!r} declares a negative dim "
+                                 f"({'x'.join(map(str, dims))})")
+        n = math.prod(dims)  # Python ints: no overflow, however absurd the dims
+        size = n * _itemsize(elem_type)
+        if size > limit:
+            raise TooLargeError(
+                f"{path}: {what} {name!r} has shape {'x'.join(map(str, dims))} ({n:.3g} values, "
+                f"{_bytes(size)}), more than this machine's memory ({_bytes(limit)}); refused "
+                "before compiling or allocating anything")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} PB"
+
+
+def check_sizes(model: onnx.ModelProto, specs: list[InputSpec], path) -> None:
+    """Refuse a model whose bound inputs, or any tensor ONNX shape inference can size from
+    them (outputs, intermediates such as a ConstantOfShape), exceed :func:`max_tensor_bytes`."""
+    np_types = {v: k for k, v in _ONNX_TO_NUMPY.items()}
+    _check_declared(path, "input", [(s.name, s.shape, np_types.get(s.dtype, 1)) for s in specs])
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                     data_prop=True)
+    except Exception as e:  # over 2 GB, or a graph inference cannot follow: the importer decides
+        log.info("%s: shape inference skipped: %s", path, _first_line(e))
+        return
+    g = inferred.graph
+    sized = []
+    for v in [*g.value_info, *g.output]:
+        tt = v.type.tensor_type
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            sized.append((v.name, [d.dim_value for d in tt.shape.dim], tt.elem_type))
+    _check_declared(path, "tensor", sized)
+
+
+def check_relax_sizes(mod, path) -> None:
+    """The same limit on every tensor of the imported Relax module (what inference missed)."""
+    import tvm
+    from tvm import relax
+
+    limit = max_tensor_bytes()
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        for block in func.body.blocks:
+            for b in block.bindings:
+                for sinfo in _tensor_types(b.var.ty):
+                    dims = [int(d) for d in sinfo.shape.values if isinstance(d, tvm.tirx.IntImm)]
+                    if len(dims) != sinfo.ndim:
+                        continue
+                    n = math.prod(dims)
+                    size = n * max(1, tvm.DataType(sinfo.dtype).bits // 8) if sinfo.dtype else n * 4
+                    if size > limit:
+                        raise TooLargeError(
+                            f"{path}: the imported graph computes a {'x'.join(map(str, dims))} "
+                            f"tensor ({_bytes(size)}), more than this machine's memory "
+                            f"({_bytes(limit)}); refused before compiling or allocating anything")
+
+
+def _tensor_types(ty) -> Iterator:
+    """The tensor types with a known shape inside a Relax type (tuples unpacked)."""
+    from tvm import relax
+
+    if isinstance(ty, relax.TensorType):
+        if isinstance(ty.shape, relax.ShapeExpr):
+            yield ty
+    elif isinstance(ty, relax.TupleType):
+        for f in ty.fields:
+            yield from _tensor_types(f)
 
 
 def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -156,12 +339,27 @@ def simplify(model: onnx.ModelProto) -> onnx.ModelProto:
     return onnxslim.slim(model)
 
 
-def _import(model: onnx.ModelProto, specs: list[InputSpec]):
+def _import(model: onnx.ModelProto, specs: list[InputSpec]) -> tuple[object | None, str, str]:
+    """TVM's ONNX import: (module, "", "") or (None, what failed, the ONNX op it was converting).
+
+    What the importer prints (it prints "Error converting operator ..." on stdout before
+    raising) goes to the native log: on a try that ttrank recovers from it is not the user's
+    answer. A failure comes back as text only, so TVM's half-built module dies here, while
+    its messages ("BlockBuilder destroyed ...") still go to the native log.
+    """
     from tvm.relax.frontend.onnx import from_onnx
 
     shape_dict = {s.name: s.shape for s in specs}
     dtype_dict = {s.name: s.dtype for s in specs}
-    return from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            return from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict), "", ""
+    except Exception as e:  # any failure inside the importer is about this graph
+        m = re.search(r"Error converting operator (\w+)", printed.getvalue())
+        return None, _short(e), m.group(1) if m else ""
+    finally:
+        to_native_log(printed.getvalue())
 
 
 def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
@@ -173,30 +371,47 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     """
     model = read_onnx(path)
     specs = bind_input_shapes(model, input_shapes or {})
+    check_sizes(model, specs, path)
+    complaint = onnx_complaint(model)
+    if complaint:
+        log.info("%s: ONNX checker: %s", path, complaint)
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
                                  + ", ".join(missing))
-    simplified = False
+    simplified, because = False, ""
     if simplify_graph == "always":
-        model, simplified = simplify(model), True
-    try:
-        mod = _import(model, specs)
-    except Exception as first:
-        if simplify_graph != "auto":
-            raise ModelLoadError(f"{path}: TVM's ONNX importer failed: {_short(first)}") from None
-        log.info("plain import failed (%s); simplifying the graph and retrying", _short(first))
-        try:
-            model = simplify(model)
-            simplified = True
-            mod = _import(model, specs)
-        except Exception as second:
-            raise ModelLoadError(f"{path}: TVM's ONNX importer failed, also after graph "
-                                 f"simplification: {_short(second)}") from None
+        model, simplified = _simplify(model, path), True
+    # an invalid file explains a failure best: say so in the error
+    also = f" (the ONNX checker says the file is not valid: {complaint})" if complaint else ""
+    mod, failed, op = _import(model, specs)
+    if failed and simplify_graph != "auto":
+        raise ImporterError(f"{path}: TVM's ONNX importer failed{' on ' + op if op else ''}: "
+                            f"{failed}{also}")
+    if failed:
+        # exporters (Paddle2ONNX, torch.onnx) compute shapes at run time; folded, they import
+        because = (f"TVM's importer cannot convert {'its ' + op if op else 'it'} as exported "
+                   f"({failed.split(': ', 1)[-1]})")
+        log.info("plain import failed: %s; simplifying the graph and retrying", because)
+        model, simplified = _simplify(model, path), True
+        mod, failed, op = _import(model, specs)
+        if failed:
+            raise ImporterError(f"{path}: TVM's ONNX importer failed{' on ' + op if op else ''}, "
+                                f"also after graph simplification: {failed}{also}")
+    check_relax_sizes(mod, path)
+    mod = clean_up(mod)  # batch norms folded, 2x2-stride-2 transposed convs as convs
     if fast_math:
         mod = with_fast_math(mod)
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math)
+    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because, complaint)
+
+
+def _simplify(model: onnx.ModelProto, path) -> onnx.ModelProto:
+    try:
+        return simplify(model)
+    except Exception as e:  # onnxslim runs onnxruntime on the graph: a broken graph fails here
+        raise ImporterError(f"{path}: TVM's ONNX importer cannot import the graph as exported, "
+                            f"and simplifying it failed: {_short(e)}") from None
 
 
 def with_fast_math(mod):

@@ -6,11 +6,15 @@ objects serve ``ttrank tune`` (inside MetaSchedule's search) and candidate measu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import re
 import shutil
+import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +23,17 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuilder
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
+from .errors import DeviceError
+
 log = logging.getLogger("ttrank")
+
+# A tracker that has not answered in this long is reported as down (one line, not a hang).
+TRACKER_TIMEOUT_S = 10.0
+# While a candidate runs over RPC, how often the tracker is asked whether a device is left:
+# a session request to a tracker that has no device for the key waits forever.
+DEVICE_POLL_S = 3.0
+# What TVM's RPC says when the device's end of a session disappears (server killed, network)
+_DEVICE_LOST = re.compile(r"RPCCode|[Ss]ocket|[Cc]onnection|Broken pipe|closed|EOF|no device with key")
 
 # Test hook: a build whose module has this attribute sleeps, to prove timeouts work.
 HANG_ATTR = "ttrank.test_hang_seconds"
@@ -245,6 +259,8 @@ class RunnerSpec:
     @classmethod
     def from_tracker(cls, tracker: str, key: str, **kw) -> RunnerSpec:
         host, _, port = tracker.rpartition(":")
+        if not port.isdigit():
+            raise DeviceError(f"--rpc-tracker {tracker!r}: expected HOST:PORT, e.g. 127.0.0.1:9190")
         return cls(kind="rpc", tracker_host=host or "127.0.0.1", tracker_port=int(port),
                    device_key=key, **kw)
 
@@ -266,7 +282,7 @@ class RunnerSpec:
             cfg = RPCConfig(tracker_host=self.tracker_host, tracker_port=self.tracker_port,
                             tracker_key=self.device_key, session_timeout_sec=int(self.timeout_sec))
             return RPCRunner(rpc_config=cfg, evaluator_config=self.evaluator_config(),
-                             max_workers=1)
+                             max_workers=1, f_create_session=_create_session_if_device)
         raise ValueError(f"unknown runner kind {self.kind!r}")
 
     def protocol(self) -> dict[str, int]:
@@ -278,6 +294,65 @@ class RunnerSpec:
         if self.kind == "rpc":
             return f"rpc://{self.tracker_host}:{self.tracker_port}/{self.device_key}"
         return "local"
+
+    def devices(self, timeout_s: float | None = None) -> int:
+        """How many devices (RPC servers, free or busy) the tracker lists under our key.
+
+        :class:`DeviceError` when the tracker cannot be reached or says nothing for
+        ``timeout_s`` seconds: a silent tracker costs that long, never a hang.
+        """
+        summary = _tracker_summary(str(self.tracker_host), int(self.tracker_port or 0),
+                                   TRACKER_TIMEOUT_S if timeout_s is None else timeout_s)
+        return sum(1 for s in summary.get("server_info", []) if s.get("key") == f"server:{self.device_key}")
+
+    def check(self, timeout_s: float | None = None) -> None:
+        """Before measuring: the tracker answers and lists a device with our key."""
+        if self.kind != "rpc":
+            return
+        if not self.devices(timeout_s):
+            raise DeviceError(f"RPC tracker {self.tracker_host}:{self.tracker_port} lists no device "
+                              f"with key {self.device_key!r} (start one: python -m "
+                              f"tvm.exec.rpc_server --tracker {self.tracker_host}:{self.tracker_port} "
+                              f"--key {self.device_key})")
+
+
+def _create_session_if_device(rpc_config):
+    """MetaSchedule's RPC session (in the runner's worker), but failing at once when the
+    tracker lists no device for the key: TVM's session request would wait for one forever."""
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_create_session
+
+    servers = rpc_config.connect_tracker().summary().get("server_info", [])
+    if not any(s.get("key") == f"server:{rpc_config.tracker_key}" for s in servers):
+        raise RuntimeError(f"no device with key {rpc_config.tracker_key!r} at the tracker")
+    return default_create_session(rpc_config)
+
+
+def _tracker_summary(host: str, port: int, timeout_s: float) -> dict:
+    """The tracker's summary, through TVM's own client, in bounded time."""
+    from tvm import rpc
+
+    where = f"RPC tracker {host}:{port}"
+    try:  # TVM's client retries a refused connection for 60 s; say it at once instead
+        socket.create_connection((host, port), timeout=min(timeout_s, 5.0)).close()
+    except OSError as e:
+        raise DeviceError(f"{where} cannot be reached: {e.strerror or e}") from None
+    box: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            box["summary"] = rpc.connect_tracker(host, port).summary()
+        except Exception as e:  # noqa: BLE001 - reported in the caller's thread
+            box["error"] = f"{type(e).__name__}: {_last_line(str(e))}"
+
+    # the client has no timeout of its own: a silent peer would block it forever
+    t = threading.Thread(target=ask, name="ttrank-tracker-query", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise DeviceError(f"{where} did not answer within {timeout_s:g} s (is it a TVM RPC tracker?)")
+    if "error" in box:
+        raise DeviceError(f"{where} did not answer as a TVM RPC tracker: {box['error']}")
+    return box["summary"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,8 +387,51 @@ class Measurer:
     @property
     def runner(self):
         if self._runner is None:
+            self.spec.check()  # a tracker that is down or has no device: one clear error now
             self._runner = self.spec.create()
         return self._runner
+
+    def _result(self, fut, measured: int):
+        """A runner future's result. Over RPC, the tracker is asked every few seconds while
+        the candidate waits: with no device left for the key, the session request would wait
+        forever, so this raises :class:`DeviceError` instead."""
+        if self.spec.kind != "rpc":
+            return fut.result()
+        next_check = time.time() + DEVICE_POLL_S
+        while not fut.done():
+            if time.time() >= next_check:
+                if not self.spec.devices():
+                    raise self._no_device_left(measured)
+                next_check = time.time() + DEVICE_POLL_S
+            time.sleep(0.1)
+        return fut.result()
+
+    def _no_device_left(self, measured: int) -> DeviceError:
+        return DeviceError(
+            f"no device with key {self.spec.device_key!r} is left at RPC tracker "
+            f"{self.spec.tracker_host}:{self.spec.tracker_port} (it went away while measuring, "
+            f"after {measured} candidate run(s)); what was measured is kept, rerun to resume")
+
+    def _abandon(self, futures: list) -> None:
+        """Stop an RPC runner whose workers wait for sessions that will never come.
+
+        Queued candidates are cancelled and the worker processes killed: a thread blocked on a
+        worker holds its pipe, so TVM's own shutdown (which closes that pipe first) would wait
+        for it forever, and so would the interpreter's exit.
+        """
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        # the waiting worker is killed; the queued candidates then fail at once in
+        # _create_session_if_device, so every future ends and nothing waits at exit
+        for worker in list(getattr(runner.pool, "_worker_map", {}).values()):
+            proc = getattr(worker, "_proc", None)
+            if proc is not None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(f.done() for f in futures):
+            time.sleep(0.1)
 
     def measure(self, mods: list, reference=None, reference_key: str = "",
                 references: list[tuple[Any, str]] | None = None) -> list[Measurement]:
@@ -357,13 +475,28 @@ class Measurer:
         errors: dict[int, str] = {}
         order = list(range(len(inputs)))
         rng = random.Random(len(inputs))
+        lost: dict[int, str] = {}  # RPC: the device went away mid-run; the next pass retries
+        runs = 0
         for rnd in range(max(1, self.spec.rounds)):
             live = [j for j in order if idx[j] not in errors]
             if not live:
                 break
-            for j, fut in zip(live, self.runner.run([inputs[j] for j in live])):
-                r = fut.result()
-                if r.error_msg:
+            futures = self.runner.run([inputs[j] for j in live])
+            for j, fut in zip(live, futures):
+                try:
+                    r = self._result(fut, runs)
+                    device_lost = bool(r.error_msg and self.spec.kind == "rpc"
+                                       and _DEVICE_LOST.search(r.error_msg))
+                    if device_lost and not self.spec.devices():
+                        raise self._no_device_left(runs)
+                except DeviceError:
+                    self._abandon(futures)
+                    raise
+                runs += 1
+                if device_lost:  # another device may measure it in a later pass
+                    lost[idx[j]] = (f"RPC device lost mid-measure ({_last_line(r.error_msg)}); "
+                                    "no later pass could measure it")
+                elif r.error_msg:
                     errors[idx[j]] = r.error_msg
                 else:
                     secs[idx[j]] += [float(s) for s in r.run_secs]
@@ -374,6 +507,8 @@ class Measurer:
             # a later pass that times out under load does not undo the passes that finished
             if secs[i] and (msg is None or is_timeout):
                 out[i] = Measurement(min(secs[i]), "ok", "", secs[i])
+            elif msg is None and i in lost:
+                out[i] = Measurement(None, "run_error", lost[i])
             else:
                 out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""))
         for p in paths:

@@ -1,14 +1,20 @@
-"""Small I/O helpers: atomic writes and append-only JSON-lines logs."""
+"""Small I/O helpers: atomic writes, file locks, append-only JSON-lines logs, and outputs
+replaced as one step."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import functools
 import gzip
 import hashlib
 import json
+import logging
 import os
+import shutil
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -59,25 +65,67 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
-def append_jsonl(path: str | Path, rows: list[dict] | dict) -> None:
-    """Append rows to a JSON-lines log; each row is one write of one whole line, then fsync.
+class LockedError(OSError):
+    """Another process holds the lock (only raised with ``blocking=False``)."""
 
-    A crash can leave at most a partial last line, which :func:`read_jsonl` skips; the log is
-    never rewritten, so earlier rows are never lost.
+
+def lock_path(path: str | Path) -> Path:
+    """The sidecar lock file of ``path``: ``.<name>.lock`` beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path, blocking: bool = True, shared: bool = False) -> Iterator[None]:
+    """Hold a lock on ``path`` (a file or folder) across processes.
+
+    The lock is ``flock`` on a sidecar file, not on ``path`` itself: ``path`` may be replaced by
+    a rename or not exist yet, and the lock must outlive both. The kernel drops it when the holder
+    dies (even by kill -9), so a crash never leaves a stale lock. ``shared``: readers, who
+    exclude writers but not each other; where no lock file can be made (a read-only folder, so
+    no writer either) a reader goes on without one. ``blocking=False`` raises
+    :class:`LockedError` at once when another process holds it.
+    """
+    lp = lock_path(path)
+    try:
+        lp.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        if not shared:
+            raise
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise LockedError(errno.EWOULDBLOCK, "locked by another process", str(path)) from None
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor releases the lock
+
+
+def append_jsonl(path: str | Path, rows: list[dict] | dict) -> None:
+    """Append rows to a JSON-lines log; each row is one whole line, then fsync.
+
+    Writers hold :func:`file_lock` on the log, so two processes appending at once (two
+    ``recommend`` runs on one data dir, ``collect`` beside ``recommend``) never interleave parts
+    of lines. A crash can leave at most a partial last line, which :func:`read_jsonl` skips; the
+    log is never rewritten, so earlier rows are never lost.
     """
     if isinstance(rows, dict):
         rows = [rows]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
-    with open(path, "a+b") as f:
+    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()
+    with file_lock(path), open(path, "a+b") as f:
         # a partial line left by a crash must not swallow the next row
         f.seek(0, os.SEEK_END)
         if f.tell() > 0:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
-                data = "\n" + data
-        f.write(data.encode())
+                data = b"\n" + data
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -107,6 +155,101 @@ def read_jsonl(path: str | Path, bad: list[str] | None = None) -> Iterator[Any]:
                     bad.append(f"{path.name}:{lineno}: {e.msg}")
 
 
+# what a failed write says, whoever wrote it (Python, TVM's C++ writer, the system linker)
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EDQUOT)
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed, if ``e`` is the file system saying no (full disk, read-only folder,
+    no permission, file too large); None for any other failure."""
+    if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+        return e.strerror
+    text = str(e)
+    for code in _WRITE_ERRNOS:
+        if os.strerror(code) in text:
+            return os.strerror(code)
+    return None
+
+
+def writable_dir(path: str | Path) -> str | None:
+    """Why files cannot be created in folder ``path`` (made if missing), or None if they can.
+
+    Tried by creating a file, not by permission bits: root ignores those, and a read-only mount
+    or a full disk says no only when asked."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".ttrank-probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Several outputs replaced as one step. A run that writes a database folder and a library
+# stages both beside their places, writes a plan, then renames; a kill between the renames
+# leaves the plan, and the next run (or anyone calling finish_moves) completes it. So readers
+# who go through finish_moves see all the old outputs or all the new ones, never a mix.
+
+
+def commit_moves(moves: list[tuple[Path, Path]], plan: Path) -> None:
+    """Move each staged ``src`` (file or folder, beside ``dst``) onto ``dst``, all or nothing."""
+    plan = Path(plan)
+    with file_lock(plan):
+        _finish_moves(plan)  # an older interrupted plan first: its outputs must not win later
+        atomic_write_json(plan, {"moves": [[str(s), str(d)] for s, d in moves]})
+        _finish_moves(plan)
+
+
+def finish_moves(plan: str | Path) -> bool:
+    """Complete a plan that a kill interrupted; True if there was one."""
+    plan = Path(plan)
+    if not plan.exists():
+        return False
+    with file_lock(plan):
+        return _finish_moves(plan)
+
+
+def _finish_moves(plan: Path) -> bool:
+    try:
+        moves = json.loads(plan.read_text())["moves"]
+    except FileNotFoundError:
+        return False
+    except (ValueError, KeyError, TypeError):  # not ours (plans are written atomically)
+        plan.unlink(missing_ok=True)
+        return False
+    for src, dst in moves:
+        _move(Path(src), Path(dst))
+    plan.unlink(missing_ok=True)
+    return True
+
+
+def _move(src: Path, dst: Path) -> None:
+    """One step of a plan; safe to repeat after a kill at any point inside it."""
+    old = dst.with_name(f".{dst.name}.old")
+    if src.is_dir():
+        # a folder cannot be renamed over a non-empty one: the old one steps aside first
+        if dst.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            dst.rename(old)
+        src.rename(dst)
+    elif src.exists():
+        os.replace(src, dst)
+    _fsync_dir(dst.parent)
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def sha256_of(*paths: str | Path) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -124,6 +267,33 @@ def sha256_of(*paths: str | Path) -> str:
 STOP_REQUESTED = threading.Event()
 _SAFE_SECTIONS = [0]
 USER_STDERR_FD = [2]  # the terminal's stderr while fd 2 is captured into a log (cli)
+
+
+def say(line: str) -> None:
+    """One line for the user (stderr), also while fd 2 is captured into a log.
+
+    Where the host process replaced ``sys.stderr`` (a test harness, an application embedding
+    the CLI), the line goes there: that is where it wants to read it.
+    """
+    text = f"ttrank: {line}\n"
+    if sys.stderr is not None and sys.stderr is not sys.__stderr__:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    with contextlib.suppress(OSError):
+        os.write(USER_STDERR_FD[0], text.encode())
+
+
+def to_native_log(text: str) -> None:
+    """Text that belongs with TVM's own messages: the native log while the CLI captures fd 2
+    (shown with -v, kept when it explains a failure), else the ``ttrank`` logger at INFO."""
+    if not text.strip():
+        return
+    if USER_STDERR_FD[0] != 2:
+        with contextlib.suppress(OSError):
+            os.write(2, (text.rstrip("\n") + "\n").encode())
+    else:
+        logging.getLogger("ttrank").info("%s", text.rstrip("\n"))
 
 
 @contextlib.contextmanager
