@@ -129,7 +129,7 @@ def main() -> int:
     fuzz_summary, fuzz_failures = run_fuzz(model, args.cases)
     log("hostile files")
     hostile = reliability.hostile_file_scenarios(WORK / "hostile", env=dict(os.environ))
-    hostile.append(reliability.malicious_donor_scenario(donor, WORK / "donor", env=dict(os.environ)))
+    hostile.append(reliability.malicious_donor_scenario(donor, model, WORK / "donor", env=dict(os.environ)))
     faults = run_faults(model, donor, ranker, args.skip_slow)
     result = {
         "date": time.strftime("%Y-%m-%d"), "cpu": f"{platform.processor() or platform.machine()} "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import util
 from .errors import BusyError, OutputError, TTRankError
+from .frontend import onnx_complaint
 from .util import cache_dir, say
 
 log = logging.getLogger("ttrank")
@@ -58,14 +59,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False, args=None):
     """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached).
 
-    With ``args``, remembers there whether the file is valid ONNX: if TVM fails on it later,
-    an invalid file is the user's to fix, not a ttrank bug.
+    With ``args``, keeps the model there: if TVM fails on it later, and the file is not valid
+    ONNX, that is the user's to fix, not a ttrank bug.
     """
     from . import frontend, load
 
     model = load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
     if args is not None:
-        args.invalid_onnx = model.invalid_onnx
+        args.loaded_model = model
     if model.simplified_because:  # the importer's own complaint went to the native log (-v)
         say(f"note: simplified the graph with onnxslim before import: {model.simplified_because}")
     return model
@@ -134,7 +135,7 @@ def cmd_compile(args) -> int:
 
     con = _console()
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
-    _check_writable(Path(args.output).parent)  # before minutes of compiling, not after
+    _check_output_space(model, [Path(args.output).parent])  # before compiling, not after
     target = make_target(args.target)
     database = None
     if args.database:
@@ -316,10 +317,19 @@ def _runner_spec(args):
     return RunnerSpec()
 
 
-def _check_writable(folder: Path) -> None:
-    why = util.writable_dir(folder)
+def _check_output_space(model, folders: list[Path]) -> None:
+    """The output folders take files, and they and the temp folder (where LLVM writes object
+    files) have room for a library of this model: about its weights, twice, plus a margin."""
+    weights = sum(t.ByteSize() for t in model.onnx_model.graph.initializer)
+    need = 2 * weights + (8 << 20)
+    for folder in dict.fromkeys(folders):
+        why = util.writable_dir(folder) or util.free_space_problem(folder, need)
+        if why:
+            raise OutputError(f"cannot write into {folder}: {why}; nothing was changed")
+    why = util.free_space_problem(tempfile.gettempdir(), need)
     if why:
-        raise OutputError(f"cannot write into {folder}: {why}; nothing was changed")
+        raise OutputError(f"cannot compile: the temp folder {tempfile.gettempdir()} has {why} "
+                          "(set TMPDIR to a folder with room)")
 
 
 @contextlib.contextmanager
@@ -367,8 +377,8 @@ def cmd_recommend(args) -> int:
                   "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
                   "teach it this CPU.")
     output = args.output or f"{model.name}.so"
-    for folder in {Path(output).resolve().parent, Path(args.database or output).resolve().parent}:
-        _check_writable(folder)
+    _check_output_space(model, [Path(output).resolve().parent,
+                                Path(args.database or output).resolve().parent])
     busy = machine_busy()
     if busy and (args.rpc_tracker is None):
         con.print(f"[yellow]warning: {busy}; measured latencies will be noisy, and a parallel "
@@ -702,15 +712,16 @@ def main(argv: list[str] | None = None) -> int:
     old_handler = signal.signal(signal.SIGINT, handler) if _main_thread() else None
     try:
         with _native_stderr_captured(not args.verbose) as native:
-            return _run(args, native, bool(interrupted))
+            return _run(args, native, interrupted)
     finally:
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
 
 
-def _run(args, native: _NativeLog, interrupted: bool) -> int:
+def _run(args, native: _NativeLog, interrupted: list[bool]) -> int:
     """Run the command; any failure ends as one line on the user's stderr, written while TVM's
-    stderr is still captured (so what dies with the failure does not print after it)."""
+    stderr is still captured (so what dies with the failure does not print after it).
+    ``interrupted`` fills up when Ctrl-C arrives (TVM may turn it into another exception)."""
     try:
         return int(args.func(args) or 0)
     except TTRankError as e:
@@ -731,7 +742,8 @@ def _run(args, native: _NativeLog, interrupted: bool) -> int:
             say(f"error: cannot write{' ' + str(where) if where else ''}: {why}; finished work "
                 "is kept (outputs are replaced only once complete)")
             return OutputError.exit_code
-        invalid = getattr(args, "invalid_onnx", "")
+        model = getattr(args, "loaded_model", None)
+        invalid = onnx_complaint(model.onnx_model) if model is not None else ""
         if invalid:  # not valid ONNX, and TVM tripped over it later: the file is the cause
             native.explain()
             say(f"error: {args.model} is not valid ONNX ({invalid}), and TVM failed on it: "

@@ -57,6 +57,16 @@ def open_database(work_dir: str | Path):
                 with open_text(src) as f:
                     atomic_write_bytes(dst, f.read().encode())
         wl, rec = out / WORKLOAD_FILE, out / RECORD_FILE
+    # compiling with a database replays its traces: the same door as a donor's (safety.py)
+    with open_text(rec) as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                key = unsafe_annotation(json.loads(line)[1][0])
+            except (ValueError, IndexError, TypeError, KeyError):
+                continue  # malformed: TVM's loader decides
+            if key is not None:
+                raise StoreError(f"{work_dir}: record {lineno} annotates with {key!r}, which TVM's "
+                                 "code generator reads as code; refused")
     return ms.database.JSONDatabase(path_workload=str(wl), path_tuning_record=str(rec),
                                     allow_missing=False)
 

@@ -50,8 +50,6 @@ class LoadedModel:
     fast_math: bool = False
     # why the graph was simplified before import (what TVM's importer said of it as exported)
     simplified_because: str = ""
-    # what ONNX's checker finds wrong with the file ("" when it is valid ONNX)
-    invalid_onnx: str = ""
 
     @property
     def name(self) -> str:
@@ -231,9 +229,10 @@ def check_sizes(model: onnx.ModelProto, specs: list[InputSpec], path) -> None:
     np_types = {v: k for k, v in _ONNX_TO_NUMPY.items()}
     _check_declared(path, "input", [(s.name, s.shape, np_types.get(s.dtype, 1)) for s in specs])
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
-                                                     data_prop=True)
-    except Exception as e:  # over 2 GB, or a graph inference cannot follow: the importer decides
+        with _weights_set_aside(model):
+            inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                         data_prop=True)
+    except Exception as e:  # a graph inference cannot follow: the importer decides
         log.info("%s: shape inference skipped: %s", path, _first_line(e))
         return
     g = inferred.graph
@@ -243,6 +242,23 @@ def check_sizes(model: onnx.ModelProto, specs: list[InputSpec], path) -> None:
         if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
             sized.append((v.name, [d.dim_value for d in tt.shape.dim], tt.elem_type))
     _check_declared(path, "tensor", sized)
+
+
+@contextlib.contextmanager
+def _weights_set_aside(model: onnx.ModelProto) -> Iterator[None]:
+    """Large initializers without their bytes for a moment: shape inference copies the whole
+    model into C++ and back (1 s for ResNet-50's 100 MB), and sizes only need the dims. Small
+    ones (the int64 shapes that data propagation reads) keep theirs."""
+    kept = {}
+    for i, t in enumerate(model.graph.initializer):
+        if len(t.raw_data) > 4096:
+            kept[i] = t.raw_data
+            t.ClearField("raw_data")
+    try:
+        yield
+    finally:
+        for i, data in kept.items():
+            model.graph.initializer[i].raw_data = data
 
 
 def check_relax_sizes(mod, path) -> None:
@@ -372,9 +388,6 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     model = read_onnx(path)
     specs = bind_input_shapes(model, input_shapes or {})
     check_sizes(model, specs, path)
-    complaint = onnx_complaint(model)
-    if complaint:
-        log.info("%s: ONNX checker: %s", path, complaint)
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
@@ -382,9 +395,11 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     simplified, because = False, ""
     if simplify_graph == "always":
         model, simplified = _simplify(model, path), True
-    # an invalid file explains a failure best: say so in the error
-    also = f" (the ONNX checker says the file is not valid: {complaint})" if complaint else ""
     mod, failed, op = _import(model, specs)
+    # an invalid file explains a failure best: say so in the error (checked only then: it
+    # costs as much as the import on a large model)
+    complaint = onnx_complaint(model) if failed else ""
+    also = f" (the ONNX checker says the file is not valid: {complaint})" if complaint else ""
     if failed and simplify_graph != "auto":
         raise ImporterError(f"{path}: TVM's ONNX importer failed{' on ' + op if op else ''}: "
                             f"{failed}{also}")
@@ -403,7 +418,7 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     if fast_math:
         mod = with_fast_math(mod)
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because, complaint)
+    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because)
 
 
 def _simplify(model: onnx.ModelProto, path) -> onnx.ModelProto:

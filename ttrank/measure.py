@@ -403,7 +403,7 @@ class Measurer:
                 if not self.spec.devices():
                     raise self._no_device_left(measured)
                 next_check = time.time() + DEVICE_POLL_S
-            time.sleep(0.1)
+            time.sleep(0.02)
         return fut.result()
 
     def _no_device_left(self, measured: int) -> DeviceError:
@@ -415,9 +415,9 @@ class Measurer:
     def _abandon(self, futures: list) -> None:
         """Stop an RPC runner whose workers wait for sessions that will never come.
 
-        Queued candidates are cancelled and the worker processes killed: a thread blocked on a
-        worker holds its pipe, so TVM's own shutdown (which closes that pipe first) would wait
-        for it forever, and so would the interpreter's exit.
+        Its worker processes are killed, not shut down: a thread blocked on a worker holds its
+        pipe, so TVM's own shutdown (which closes that pipe first) would wait for it forever,
+        and so would the interpreter's exit.
         """
         runner, self._runner = self._runner, None
         if runner is None:

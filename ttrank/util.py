@@ -171,6 +171,20 @@ def write_failure(e: BaseException) -> str | None:
     return None
 
 
+def free_space_problem(path: str | Path, need_bytes: int) -> str | None:
+    """Why ``need_bytes`` will not fit in folder ``path``'s file system, or None if they may.
+
+    Checked before compiling: LLVM ends the whole process (exit 1, no Python error) when it
+    cannot write an object file, so a full disk must be noticed before it gets there."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None  # not there yet: writable_dir decides
+    if free >= need_bytes:
+        return None
+    return f"only {free / 1e6:.1f} MB free, and this needs about {need_bytes / 1e6:.0f} MB"
+
+
 def writable_dir(path: str | Path) -> str | None:
     """Why files cannot be created in folder ``path`` (made if missing), or None if they can.
 
