@@ -100,17 +100,13 @@ def write_markdown(result: dict) -> str:
         f"got one `ttrank: error:` line; crashes {f['crashes']}, tracebacks {f['tracebacks']}, hangs "
         f"{f['hangs']}, internal errors {f['internal_errors']}, unclear answers {f['unclear']}.",
         "",
-        "| kind | what was tried | survived | lost | the user's answer |",
+        "| kind | what was tried | survived | lost | what the user saw, or what was checked |",
         "| --- | --- | --- | --- | --- |",
     ]
     for kind in ("hostile", "faults"):
         for r in result[kind]:
-            answer = r.get("answer") or r.get("error") or ""
-            if not answer and "rerun" in r:
-                answer = f"rerun: {r['rerun'].get('verdict')}"
-            if not answer and "statuses" in r:
-                answer = ", ".join(r["statuses"])
-            answer = answer.replace("|", "/")[:160] or "(completed)"
+            answer = r.get("outcome") or r.get("answer") or r.get("error") or ""
+            answer = answer.replace(str(ROOT) + "/", "").replace("|", "/")[:220]
             lines.append(f"| {kind[:-1] if kind == 'faults' else 'hostile file'} | {r['name']} | "
                          f"{'yes' if r['survived'] else '**no**'} | {r['lost']} | {answer} |")
     return "\n".join(lines) + "\n"

@@ -127,6 +127,16 @@ def test_fuzzed_files_get_an_answer_not_a_crash(tiny_cnn, tmp_path, env):
     assert {o.kind for o in outcomes} == {"bytes", "field"}
 
 
+def test_a_name_that_is_not_utf8_is_named_not_a_crash(tiny_cnn, tmp_path, capsys):
+    # found by the fuzz: protobuf hands back bytes for such a string field
+    data = tiny_cnn.read_bytes()
+    at = data.index(b"GlobalAveragePool")
+    (tmp_path / "m.onnx").write_bytes(data[:at] + b"\xc7" + data[at + 1:])
+    assert main(["kernels", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unsupported ONNX op(s)" in err and "lobalAveragePool" in err
+
+
 def test_the_fuzz_verdicts():
     assert fuzz.classify(0, "table", "", False) == "ok"
     assert fuzz.classify(2, "", "ttrank: error: bad file\n", False) == "user_error"
@@ -181,6 +191,21 @@ def test_export_that_cannot_write_keeps_the_previous_library(kind, tiny_cnn, tmp
     assert res["first_run"]["returncode"] == 0
     assert res["verdict"] == "user_error" and "cannot write" in res["answer"], res
     assert res["previous_library_intact"]
+
+
+def test_mistakes_in_the_command_line_are_user_errors(tiny_cnn, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for args, says in [
+        (["compile", str(tiny_cnn), "-o", str(tmp_path)], "is a folder; -o takes a file name"),
+        (["recommend", str(tiny_cnn), "--rpc-tracker", "localhost:abc", "--device-key", "k"],
+         "expected HOST:PORT"),
+        (["tune", str(tiny_cnn), "--out", str(blocker / "work_dir"), "--no-progress"],
+         "cannot write into"),
+    ]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
 
 
 def test_write_failures_are_told_apart_from_other_errors():

@@ -135,7 +135,7 @@ def cmd_compile(args) -> int:
 
     con = _console()
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
-    _check_output_space(model, [Path(args.output).parent])  # before compiling, not after
+    _check_output_space(model, Path(args.output))  # before compiling, not after
     target = make_target(args.target)
     database = None
     if args.database:
@@ -174,6 +174,9 @@ def cmd_tune(args) -> int:
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     target = make_target(args.target)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
+    why = util.writable_dir(args.out)
+    if why:
+        raise OutputError(f"cannot write into {args.out}: {why}")
     # MetaSchedule appends to the database files itself: one tuning run per work_dir at a time
     with _exclusive(Path(args.out) / "tune", f"tuning into {args.out}"), \
             Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -317,12 +320,15 @@ def _runner_spec(args):
     return RunnerSpec()
 
 
-def _check_output_space(model, folders: list[Path]) -> None:
-    """The output folders take files, and they and the temp folder (where LLVM writes object
-    files) have room for a library of this model: about its weights, twice, plus a margin."""
+def _check_output_space(model, library: Path, *more_folders: Path) -> None:
+    """The library can be written: its path names no folder, its folder (and ``more_folders``)
+    take files, and they and the temp folder (where LLVM writes object files) have room for a
+    library of this model: about its weights, twice, plus a margin."""
+    if library.is_dir():
+        raise OutputError(f"{library} is a folder; -o takes a file name, e.g. {library / 'model.so'}")
     weights = sum(t.ByteSize() for t in model.onnx_model.graph.initializer)
     need = 2 * weights + (8 << 20)
-    for folder in dict.fromkeys(folders):
+    for folder in dict.fromkeys([library.resolve().parent, *more_folders]):
         why = util.writable_dir(folder) or util.free_space_problem(folder, need)
         if why:
             raise OutputError(f"cannot write into {folder}: {why}; nothing was changed")
@@ -377,8 +383,7 @@ def cmd_recommend(args) -> int:
                   "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
                   "teach it this CPU.")
     output = args.output or f"{model.name}.so"
-    _check_output_space(model, [Path(output).resolve().parent,
-                                Path(args.database or output).resolve().parent])
+    _check_output_space(model, Path(output), Path(args.database or output).resolve().parent)
     busy = machine_busy()
     if busy and (args.rpc_tracker is None):
         con.print(f"[yellow]warning: {busy}; measured latencies will be noisy, and a parallel "

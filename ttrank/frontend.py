@@ -345,7 +345,8 @@ def unsupported_ops(model: onnx.ModelProto) -> list[str]:
 
     known = _get_convert_map()
     ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
-    return sorted(op for op in ops if op not in known)
+    # protobuf hands back bytes for a name that is not valid UTF-8 (a damaged file)
+    return sorted(op if isinstance(op, str) else repr(op) for op in ops if op not in known)
 
 
 def simplify(model: onnx.ModelProto) -> onnx.ModelProto:

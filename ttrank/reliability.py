@@ -233,7 +233,8 @@ def malicious_donor_scenario(donor_dir: Path, model: Path, work: Path, env: dict
     refused = c.verdict == "user_error" and "reads as code" in c.last and not (work / "evil.so").exists()
     return {"name": "donor log with pragma_import_llvm annotations", **a.summary(),
             "donors_add_skipped_them": added, "compile_database_refused": refused,
-            "compile_answer": c.last[:300], "survived": added and refused, "lost": 0}
+            "compile_answer": c.last[:300], "survived": added and refused, "lost": 0,
+            "outcome": f"donors add: {a.last or a.stdout.strip()[-120:]} / compile --database: {c.last}"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,7 +268,9 @@ def concurrent_appends(path: Path, writers: int = 2, rows: int = 200, width: int
             "stray_lines": lines - len(got) - len(bad),
             "rows_expected": len(expected), "rows_found": len(seen & expected),
             "lost": len(expected - seen), "survived": not bad and seen == expected
-            and lines == len(expected) and codes == [0] * writers}
+            and lines == len(expected) and codes == [0] * writers,
+            "outcome": f"{len(seen & expected)}/{len(expected)} rows, {len(bad)} torn lines, "
+                       f"{lines - len(got) - len(bad)} stray lines"}
 
 
 def concurrent_recommends(model: str, donor_dir: Path, ranker: Path, work: Path,
@@ -296,7 +299,9 @@ def concurrent_recommends(model: str, donor_dir: Path, ranker: Path, work: Path,
             "answers": [(err.strip().splitlines() or [""])[-1][:200] for _, err in results],
             "table_lines": len(rows) + len(bad), "torn_lines": len(bad),
             "measured_candidates": len(wanted), "lost": len(missing),
-            "survived": codes == [0, 0] and not bad and not missing and bool(wanted)}
+            "survived": codes == [0, 0] and not bad and not missing and bool(wanted),
+            "outcome": f"exit codes {codes}; {len(rows)} rows, {len(bad)} torn; "
+                       f"{len(wanted) - len(missing)}/{len(wanted)} measured candidates in the table"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +354,10 @@ def kill_during_recommend(model: str, donor_dir: Path, ranker: Path, work: Path,
             "rerun": rerun.summary(), "rows_measured_twice": duplicates,
             "outputs_from_one_run": consistent, "lost": lost,
             "survived": first.returncode == 0 and rerun.returncode == 0 and intact
-            and duplicates == 0 and consistent and not finished_first}
+            and duplicates == 0 and consistent and not finished_first,
+            "outcome": f"killed after {after_kill - rows_before} new rows; old database and library "
+                       f"{'intact' if intact else 'DAMAGED'}; rerun exit {rerun.returncode}, "
+                       f"{duplicates} rows measured twice, outputs from one run: {consistent}"}
 
 
 def _outputs_agree(out: Path) -> bool:
@@ -403,7 +411,9 @@ def kill_between_renames(work: Path) -> dict:
     return {"name": "kill -9 between the renames of database and library", "exit_code": code,
             "state_at_kill": list(mixed), "plan_left": plan_left, "finished": finished,
             "state_after": list(after), "lost": 0 if after == ("new", "new") else 1,
-            "survived": code == -9 and plan_left and after == ("new", "new")}
+            "survived": code == -9 and plan_left and after == ("new", "new"),
+            "outcome": f"at the kill: database {mixed[0]}, library {mixed[1]}; after finish_moves: "
+                       f"database {after[0]}, library {after[1]}"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,7 +621,9 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
     return {"name": f"RPC server killed mid-measure ({devices} device(s), {devices - 1} left)",
             "killed_server": bool(killed), "devices_left": left, "seconds": round(secs, 1),
             "statuses": statuses, "reasons": reasons, "error": error, "lost": 0,
-            "survived": survived}
+            "survived": survived,
+            "outcome": error or f"{statuses.count('ok')}/{len(statuses)} candidates measured in "
+                                f"{secs:.0f} s" + (f"; failed: {'; '.join(reasons)}" if reasons else "")}
 
 
 def silent_tracker_scenario(model: str, env: dict | None = None) -> dict:
