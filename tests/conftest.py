@@ -134,3 +134,21 @@ def trained(measurements, donor_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "ranker.json"
     Ranker(objective="rank:pairwise", n_estimators=40).fit(ds.X, ds.y, ds.groups).save(path, note="test")
     return path
+
+
+def upsampling_head_model(path: Path) -> Path:
+    """A conv, a 3x3 stride-2 transposed conv (no conv2d_transpose donor exists anywhere) and a
+    softmax over a 2-D [rows, classes] view, as text recognisers end: the op variants of #18."""
+    g = zoo.GraphBuilder("upsampling_head", seed=0)
+    x = g.input("input", [1, 3, 16, 16])
+    x = g.relu(g.conv(x, 3, 16, 3))
+    x = g.relu(g.conv_transpose(x, 16, 8, 3, 2, 1))  # [1, 8, 31, 31]
+    x = g.reshape(x, [8 * 31, 31])
+    g.output(g.node("Softmax", [x], axis=-1), [8 * 31, 31])
+    onnx.save(g.model(), str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def upsampling_head(model_dir) -> Path:
+    return upsampling_head_model(model_dir / "upsampling_head.onnx")

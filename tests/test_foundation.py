@@ -253,3 +253,44 @@ def test_a_busy_machine_is_noticed_and_recorded(monkeypatch):
     assert "busy" in tg.machine_busy() and tg.provenance()["load_1m"] == 4.0
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
     assert tg.machine_busy() is None
+
+
+def test_zoo_family_networks_have_real_parameter_counts():
+    # the reference architectures' parameter counts (torchvision / timm / ultralytics), within 2%
+    expected = {"resnext50": 25.03e6, "mobilenetv3": 5.48e6, "vit_tiny": 5.72e6, "yolo": 3.16e6}
+    for name, n in expected.items():
+        m = zoo.build(name)
+        onnx.checker.check_model(m)
+        count = sum(int(np.prod(t.dims)) for t in m.graph.initializer if len(t.dims) >= 1)
+        assert abs(count - n) / n < 0.02, (name, count)
+    assert set(zoo.FAMILY_NETWORKS) <= set(zoo.ZOO)
+
+
+def _upsampling_decoder(path, kernel: int, stride: int, pad: int):
+    """conv -> transposed conv -> batch norm -> ReLU -> conv (no bias) -> batch norm, as
+    segmentation and text-detection heads export them (batch norms kept, Paddle-style)."""
+    g = zoo.GraphBuilder("decoder", seed=0)
+    x = g.relu(g.conv(g.input("input", [1, 3, 16, 16]), 3, 8, 3))
+    x = g.relu(g.batchnorm(g.conv_transpose(x, 8, 8, kernel, stride, pad), 8))
+    x = g.batchnorm(g.conv(x, 8, 4, 3, bias=False), 4)
+    out = (16 - 1) * stride - 2 * pad + kernel
+    g.output(x, [1, 4, out, out])
+    onnx.save(g.model(), str(path))
+    return path
+
+
+@pytest.mark.parametrize("kernel,stride,pad", [(2, 2, 0), (3, 2, 1)])
+def test_batch_norms_fold_into_transposed_convs_and_outputs_still_match(tmp_path, kernel, stride, pad):
+    from ttrank.target import make_target
+
+    model = frontend.load(_upsampling_decoder(tmp_path / "d.onnx", kernel, stride, pad))
+    classes = [k.workload_class for k in kernels.extract(model.mod)]
+    assert not any("sqrt" in c for c in classes), classes  # no standalone batch-norm kernel
+    if kernel == stride:  # exactly one tap per output pixel: a 1x1 conv and a shuffle
+        assert not any(c.startswith("conv2d_transpose") for c in classes), classes
+    else:
+        assert any(c.startswith("conv2d_transpose_nchw") for c in classes), classes
+    ex = engine.compile_model(model, make_target())
+    out = engine.export(ex, tmp_path / "m.so")
+    res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, model), model)
+    assert res.ok and res.max_abs_error < 1e-4

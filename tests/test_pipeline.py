@@ -143,7 +143,7 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     elsewhere = Ranker.load(trained).save(tmp_path / "elsewhere.json", data_cpus={"sapphirerapids": 9})
     rc = main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(elsewhere),
                "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
-               "--top-k", "2", "--no-progress"])
+               "--top-k", "2", "--tune-missing", "0", "--no-progress"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "learned from measurements on sapphirerapids" in " ".join(out.out.split())
@@ -177,7 +177,7 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     assert n > len(tuned)
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
-                           database_dir=tmp_path / "db2", time_model=False)
+                           database_dir=tmp_path / "db2", time_model=False, tune_missing=0)
     assert len(table.read_text().splitlines()) == n
     assert res.max_abs_error_vs_onnxruntime < 1e-3
 
@@ -200,7 +200,8 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
 
     monkeypatch.setattr(measure.Measurer, "measure", interrupted)
     kw = dict(store=donors.DonorStore.load([donor_dir]), ranker=Ranker.load(trained), top_k=2,
-              data_dir=tmp_path / "data", database_dir=tmp_path / "db", time_model=False)
+              data_dir=tmp_path / "data", database_dir=tmp_path / "db", time_model=False,
+              tune_missing=0)
     with pytest.raises(KeyboardInterrupt):
         ttrank.recommend(frontend.load(tiny_cnn), **kw)
     table = tmp_path / "data" / "measurements" / "tiny_cnn.jsonl"
@@ -222,7 +223,7 @@ def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_p
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=3, minor_share=0.0,
                            data_dir=tmp_path / "data", database_dir=tmp_path / "db",
-                           time_model=False, measure_budget_s=0.0)
+                           time_model=False, measure_budget_s=0.0, tune_missing=0)
     ks = [k for k in res.kernels if k.candidates]
     first = max(ks, key=lambda k: k.weight * k.untuned_s)
     assert [m["rank"] for m in first.measured] == [0]
@@ -246,7 +247,7 @@ def test_recommend_on_a_third_party_export_with_dynamic_dims(trained, donor_dir,
                                      target_opset=17).SerializeToString())
     args = ["recommend", str(path), "-o", str(tmp_path / "mlp.so"), "--ranker", str(trained),
             "--donors", str(donor_dir), "--json", str(tmp_path / "r.json"),
-            "--data-dir", str(tmp_path / "data"), "--no-progress"]
+            "--data-dir", str(tmp_path / "data"), "--tune-missing", "0", "--no-progress"]
     assert main(args) == 2
     assert "--input-shape input:N,32" in capsys.readouterr().err
     assert main(args + ["--input-shape", "input:16,32"]) == 0, capsys.readouterr().err
@@ -313,3 +314,43 @@ def test_train_on_new_logs(donor_dir, tmp_path, monkeypatch, capsys):
     assert table.exists()
     # the model knows its data: a leave-one-out refit reads the same tables
     assert table.parent in t.training_dirs(r) and r.metadata["threads"] >= 1
+
+
+def test_op_variants_get_candidates_and_the_rest_is_tuned_once(trained, donor_dir, upsampling_head,
+                                                               tmp_path, monkeypatch):
+    """A transposed conv takes conv2d schedules by transfer; a 2-D softmax, which no donor has,
+    is tuned by recommend itself within its budget, and the next run transfers that record
+    instead of tuning again."""
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's donor store
+    model = frontend.load(upsampling_head)
+    kw = dict(ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data", time_model=False)
+    res = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), tune_missing=45.0,
+                           database_dir=tmp_path / "db1", **kw)
+    convt = next(k for k in res.kernels if k.workload_class.startswith("conv2d_transpose_nchw"))
+    softmax = next(k for k in res.kernels if "softmax" in k.workload_class)
+    assert convt.candidates > 0 and convt.status == "tuned"
+    assert convt.chosen["donor_network"] == "tiny_resnet"  # a conv2d schedule, transferred
+    assert softmax.candidates == 0 and softmax.tuning is not None
+    assert res.max_abs_error_vs_onnxruntime < 1e-3
+    tuned_dir = donors.user_donor_dir() / model.name
+    trials = tuned_dir / "trials.jsonl"
+
+    def softmax_trials() -> int:
+        return sum('"task":"softmax"' in line for line in trials.read_text().splitlines())
+
+    n_trials = softmax_trials()
+    # the budget is search time (set-up is reported apart), checked after every batch: no batch
+    # starts once it is spent (each batch's rows carry the search clock at its end)
+    ends = sorted({r["search_s"] for r in map(json.loads, trials.read_text().splitlines())
+                   if r.get("task") == "softmax" and "latency_s" in r})
+    assert ends and softmax.tuning["trials"] == 64
+    began = softmax.tuning["search_began_at"]
+    last_start = ends[-2] if len(ends) > 1 else began
+    assert last_start - began <= softmax.tuning["budget_s"] + 1.0
+    # the next run: the tuned records are donors like any other, and the softmax is not tuned again
+    again = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir, tuned_dir]),
+                             tune_missing=45.0, database_dir=tmp_path / "db2", **kw)
+    softmax = next(k for k in again.kernels if "softmax" in k.workload_class)
+    assert softmax.candidates > 0 and softmax.measured
+    assert softmax_trials() == n_trials  # (a kernel the first budget did not reach may be)
+    assert again.max_abs_error_vs_onnxruntime < 1e-3

@@ -87,7 +87,7 @@ def test_recommend_reorders_the_shortlist_with_the_cost_model(trained, donor_dir
     report = tmp_path / "report.json"
     args = ["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(ranker),
             "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
-            "--top-k", "2", "--minor-share", "0", "--no-progress"]
+            "--top-k", "2", "--minor-share", "0", "--tune-missing", "0", "--no-progress"]
     assert main(args) == 0
     r = json.loads(report.read_text())
     assert r["max_abs_error_vs_onnxruntime"] < 1e-3

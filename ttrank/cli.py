@@ -100,6 +100,8 @@ def cmd_kernels(args) -> int:
 
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
+    if args.coverage:
+        return _print_coverage(model.name, ks, args)
     if args.json:
         print(json.dumps([k.to_json() for k in ks], indent=1))
         return 0
@@ -116,6 +118,36 @@ def cmd_kernels(args) -> int:
     con = _console()
     con.print(t)
     con.print(f"total: {total / 1e9:.3f} GFLOPs ({total / 2e9:.3f} G multiply-adds)")
+    return 0
+
+
+def _print_coverage(name: str, ks: list, args) -> int:
+    """Which kernels the donor store has schedules for, before anything is measured."""
+    from .coverage import coverage
+    from .donors import DonorStore
+
+    exclude = {name} if args.leave_one_out else set()
+    rows = coverage(ks, DonorStore.load(args.donors or None), exclude)
+    uncovered = sum(r.flop_share for r in rows if not r.covered)
+    if args.json:
+        print(json.dumps({"model": name, "excluded_networks": sorted(exclude),
+                          "uncovered_flop_share": uncovered,
+                          "kernels": [r.to_json() for r in rows]}, indent=1))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"{name}: donor coverage of {len(rows)} kernels")
+    for col in ("name", "class", "candidates", "donor networks", "FLOP share"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(r.name, r.workload_class, str(r.candidates) if r.covered else "[b]none[/b]",
+                  ", ".join(r.donor_networks[:4]) + (" ..." if len(r.donor_networks) > 4 else ""),
+                  f"{100 * r.flop_share:.1f}%")
+    con = _console()
+    con.print(t)
+    con.print(f"{sum(not r.covered for r in rows)} kernels without a candidate, "
+              f"{100 * uncovered:.1f}% of the FLOPs; recommend tunes those that matter "
+              f"(--tune-missing)")
     return 0
 
 
@@ -402,7 +434,8 @@ def cmd_recommend(args) -> int:
         res = engine.recommend(model, target=target, store=store, ranker=ranker, top_k=args.top_k,
                                output=output, database_dir=args.database, runner=runner,
                                data_dir=args.data_dir, exclude_networks=exclude,
-                               tune_missing=args.tune_missing, minor_share=args.minor_share,
+                               tune_missing=(engine.TUNE_MISSING_SECONDS if args.tune_missing is None
+                                             else args.tune_missing), minor_share=args.minor_share,
                                measure_budget_s=(args.measure_seconds
                                                  if args.measure_seconds < float("inf") else None),
                                on_progress=on_progress)
@@ -597,6 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(k)
     k.add_argument("--json", action="store_true", help="machine-readable output")
     k.add_argument("--tunable", action="store_true", help="omit kernels that do no arithmetic")
+    k.add_argument("--coverage", action="store_true",
+                   help="per kernel, the donor schedules that can be transferred onto it")
+    k.add_argument("--donors", nargs="+", help="donor work_dirs (default: datasets/donors/* and added)")
+    k.add_argument("--leave-one-out", action="store_true",
+                   help="with --coverage: leave out the donors of the model's own name")
     k.set_defaults(func=cmd_kernels)
 
     c = sub.add_parser("compile", help="compile and export a model (untuned, or with a database)")
@@ -654,8 +692,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--exclude-network", action="append", help="ignore this donor network")
     r.add_argument("--leave-one-out", action="store_true",
                    help="ignore donors tuned on this same network (for evaluation)")
-    r.add_argument("--tune-missing", type=int, default=0, metavar="N",
-                   help="tune kernels with no compatible donor with MetaSchedule, N trials each")
+    r.add_argument("--tune-missing", type=float, default=None, metavar="S",
+                   help="seconds (all kernels together) for tuning with MetaSchedule the kernels that "
+                        "no transferred schedule covers, split by their share of the model time; "
+                        "0 turns it off (default: 120)")
     r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on a device behind a TVM RPC tracker")
     r.add_argument("--device-key", help="the device's key at the tracker")
     r.add_argument("--data-dir", help="where measurements accumulate (default: ~/.cache/ttrank/data)")

@@ -54,7 +54,7 @@ class TuningPlan:
 
 def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered: set[str],
                  budget_s: float, min_share: float = 0.01, max_trials: int = 64,
-                 min_seconds: float = 30.0) -> list[TuningPlan]:
+                 min_seconds: float = 20.0) -> list[TuningPlan]:
     """Which kernels without a good schedule to tune natively, and for how long.
 
     ``best_s``: each kernel's latency with what was chosen for it (untuned if nothing was);

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import StoreError
-from .kernels import Kernel
+from .kernels import Kernel, anchor_family
 from .safety import unsafe_annotation
 from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, open_text, sha256_of
 
@@ -312,9 +312,10 @@ class DonorStore:
 
     def compatible(self, kernel: Kernel, exclude_networks: set[str] | frozenset = frozenset()
                    ) -> list[tuple[DonorWorkload, DonorRecord]]:
-        """Every donor record whose kernel has the same anchor op and loop nest."""
+        """Every donor record whose kernel has the same loop nest under the same anchor op
+        (or a variant of it, as a transposed conv is of a conv)."""
         out = []
-        for w in self._by_anchor.get(kernel.anchor_op, []):
+        for w in (w for op in anchor_family(kernel.anchor_op) for w in self._by_anchor.get(op, [])):
             if w.network in exclude_networks or not kernel.compatible(w.kernel):
                 continue
             out.extend((w, r) for r in w.records)

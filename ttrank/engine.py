@@ -12,8 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .coverage import plan_missing
+from .donors import user_donor_dir
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
+from .tune import tune
 from .util import commit_moves, finish_moves, write_failure
 
 log = logging.getLogger("ttrank")
@@ -21,6 +24,8 @@ log = logging.getLogger("ttrank")
 # candidates per measuring batch: enough to keep both build workers busy, few enough that an
 # interruption loses little (each finished batch is appended to the measurement table)
 MEASURE_CHUNK = 8
+# recommend's default budget for tuning what no transferred schedule covers (seconds, all kernels)
+TUNE_MISSING_SECONDS = 120.0
 
 
 def compile_model(model: LoadedModel, target, database=None):
@@ -250,6 +255,7 @@ class KernelReport:
     untuned_s: float | None = None
     status: str = "untuned"  # tuned / untuned / tuned-missing
     why: str = ""
+    tuning: dict | None = None  # recommend's own MetaSchedule run: seconds, trials, before/after
     chosen: dict | None = None  # donor network, kernel, record, rank, score, latency_s, method
     candidates: int = 0  # compatible candidates ranked
     top_k: int = 0  # how many of them were to be measured
@@ -360,7 +366,7 @@ def _cache_rows(path: Path) -> dict[tuple[str, str], dict]:
 def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k: int | None = None,
               output: str | Path | None = None, database_dir: str | Path | None = None,
               runner=None, data_dir: str | Path | None = None, exclude_networks=frozenset(),
-              tune_missing: int = 0, check: bool = True, time_model: bool = True,
+              tune_missing: float = TUNE_MISSING_SECONDS, check: bool = True, time_model: bool = True,
               untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
               measure_budget_s: float | None = None, on_progress=None) -> Result:
     """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
@@ -557,27 +563,47 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     t_measure = time.time() - t0
     t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
 
-    # optional: MetaSchedule for the kernels no donor covers
+    # MetaSchedule for what transfer left at the default schedule, when it matters: a budget
+    # split by each kernel's share of the estimated model time. The records go to the user's
+    # donor store, so the next model with such a kernel gets them by transfer, and a rerun of
+    # this model reuses them instead of tuning again.
     t0 = time.time()
-    missing = [k for k in kernels if reports[k.name].why == "no compatible donor schedule" and k.tunable]
+    # a kernel some donor was tuned on (this one's own earlier run, say) is not tuned again
+    tuned_before = {w.kernel.workload_hash for w in store.workloads
+                    if w.network not in exclude_networks}
+    done = set(chosen) | {k.name for k in kernels if k.workload_hash in tuned_before}
+    plans = plan_missing(kernels, {n: r.best_s for n, r in reports.items()}, done,
+                         budget_s=tune_missing)
     extra_db = None
-    if tune_missing > 0 and missing:
-        from .tune import tune
-
-        import tempfile
-        work = Path(tempfile.mkdtemp(prefix="ttrank-tune-missing-"))
-        tune(model.mod, work, trials_per_task=tune_missing, target=target, model_name=model.name,
-             only=[k.name for k in missing])
-        extra_db = ms.database.JSONDatabase(work_dir=str(work))
-        for k in missing:
+    if plans:
+        work = user_donor_dir() / model.name
+        for i, plan in enumerate(plans):
+            k, t_k = plan.kernel, time.time()
+            progress("tuning", i + 1, len(plans), k.name)
+            # small batches, so that the budget is checked often
+            run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
+                       budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
+                       only=[k.name], trials_per_iter=8)
+            extra_db = ms.database.JSONDatabase(work_dir=str(work))
             recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
-            if recs:
-                reports[k.name].status = "tuned-missing"
-                reports[k.name].why = f"tuned with MetaSchedule ({tune_missing} trials)"
-                reports[k.name].chosen = {"donor_network": "metaschedule", "donor_kernel": k.name,
-                                          "record": None, "rank": 0, "score": None,
-                                          "latency_s": float(min(float(s) for s in recs[0].run_secs)),
-                                          "method": "tuned"}
+            rep = reports[k.name]
+            best = min(float(x) for x in recs[0].run_secs) if recs else None
+            wall = time.time() - t_k
+            rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
+                          "search_seconds": round(wall - run.setup_s, 1), "setup_s": round(run.setup_s, 1),
+                          "search_began_at": round(run.search_clock0, 3),  # on trials.jsonl's clock
+                          "trials": plan.trials, "share": round(plan.share, 4),
+                          "before_s": rep.best_s, "after_s": best, "work_dir": str(work)}
+            if best is None or (rep.best_s is not None and best >= rep.best_s):
+                rep.why = f"{rep.why}; MetaSchedule found nothing faster in {rep.tuning['seconds']:.0f} s"
+            else:
+                rep.status = "tuned-missing"
+                rep.why = (f"tuned with MetaSchedule ({rep.tuning['seconds']:.0f} s): "
+                           f"{rep.why or 'no transferred schedule'}")
+                chosen.pop(k.name, None)
+                rep.chosen = {"donor_network": "metaschedule", "donor_kernel": k.name,
+                              "record": None, "rank": 0, "score": None, "latency_s": best,
+                              "method": "tuned"}
     t_tune = time.time() - t0
 
     # 6: the MetaSchedule database
