@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def write_markdown(result: dict) -> str:
     for kind in ("hostile", "faults"):
         for r in result[kind]:
             answer = r.get("outcome") or r.get("answer") or r.get("error") or ""
-            answer = answer.replace(str(ROOT) + "/", "").replace("|", "/")[:220]
+            answer = answer.replace(str(ROOT), "<repo>").replace("|", "/")[:220]
             lines.append(f"| {kind[:-1] if kind == 'faults' else 'hostile file'} | {r['name']} | "
                          f"{'yes' if r['survived'] else '**no**'} | {r['lost']} | {answer} |")
     return "\n".join(lines) + "\n"
@@ -119,6 +120,12 @@ def main() -> int:
                     help="leave out the scenarios that run recommend (kill -9, two at once)")
     args = ap.parse_args()
     t0 = time.time()
+    # every scenario starts from empty folders (a rerun must not find the last run's tables);
+    # the tiny donor store, ranker and caches are kept
+    if WORK.exists():
+        for d in WORK.iterdir():
+            if d.is_dir() and d.name not in ("setup", "cache"):
+                shutil.rmtree(d)
     log("building the tiny donor store and ranker (once)")
     model, donor, ranker = reliability.tiny_setup(WORK / "setup", env=dict(os.environ))
     log(f"fuzz: {args.cases} cases")

@@ -32,8 +32,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .errors import DeviceError
 from .fuzz import classify, run_cli
-from .util import read_jsonl
+from .util import finish_moves, read_jsonl
+
+# Modules that load TVM (measure, collect, ...) are imported inside the scenarios that need
+# them: the others drive ttrank in child processes and keep this one light.
 
 # --------------------------------------------------------------------------------------------
 # Running the CLI and reading its answer
@@ -252,7 +256,9 @@ for i in range(n):
 
 
 def concurrent_appends(path: Path, writers: int = 2, rows: int = 200, width: int = 20000) -> dict:
-    """Several processes append to one JSON-lines log at once through ttrank's own code."""
+    """Several processes append to one new JSON-lines log at once through ttrank's own code."""
+    if path.exists():
+        raise ValueError(f"{path} exists: the scenario counts every line of a new log")
     procs = [subprocess.Popen([sys.executable, "-c", APPEND_SCRIPT, str(path), chr(ord("a") + w),
                                str(rows), str(width)]) for w in range(writers)]
     codes = [p.wait(timeout=600) for p in procs]
@@ -324,7 +330,8 @@ def _table_keys(data: Path) -> list[tuple[str, str]]:
 def kill_during_recommend(model: str, donor_dir: Path, ranker: Path, work: Path,
                           env: dict | None = None, kill_after_rows: int = 3) -> dict:
     """A first run completes (old outputs); a second one, asking for more candidates, is
-    killed with SIGKILL once it has appended measurements; a third completes.
+    killed with SIGKILL once it has appended measurements; a third completes. ``work``: a new
+    folder (the measurements of an earlier run there would leave nothing to kill).
 
     Checks: after the kill the old database and library are intact (byte for byte); the rerun
     measures nothing the killed run finished (no (kernel, record) twice in the table) and
@@ -395,8 +402,6 @@ def kill_between_renames(work: Path) -> dict:
     Checks: right after the kill the plan is on disk; :func:`ttrank.util.finish_moves` (which
     every recommend run calls first) completes it: both outputs are then the new ones.
     """
-    from .util import finish_moves
-
     work.mkdir(parents=True, exist_ok=True)
     for name, text in (("db", "old"), (".db.staged", "new")):
         (work / name).mkdir(exist_ok=True)
@@ -521,8 +526,6 @@ class RpcCluster:
 @contextlib.contextmanager
 def rpc_cluster(devices: int = 1, key: str = "ttrank-test") -> Iterator[RpcCluster]:
     """Start a tracker and ``devices`` servers under ``key``; stop them all afterwards."""
-    from .errors import DeviceError
-
     tport = free_port()
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
@@ -582,7 +585,6 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
     With another device left, the run completes: the lost candidate is measured again by the
     next pass, or fails with a reason. With none left, one DeviceError, in bounded time.
     """
-    from .errors import DeviceError
     from .measure import Measurer, RunnerSpec
 
     with rpc_cluster(devices) as cluster:
