@@ -17,7 +17,7 @@ from .donors import user_donor_dir
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
 from .tune import tune
-from .util import commit_moves, finish_moves, write_failure
+from .util import commit_moves, file_lock, finish_moves, write_failure
 
 log = logging.getLogger("ttrank")
 
@@ -580,10 +580,13 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         for i, plan in enumerate(plans):
             k, t_k = plan.kernel, time.time()
             progress("tuning", i + 1, len(plans), k.name)
-            # small batches, so that the budget is checked often
-            run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
-                       budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[k.name], trials_per_iter=8)
+            # small batches, so that the budget is checked often. MetaSchedule appends to the
+            # database itself: a second recommend of this model waits here (the lock `ttrank
+            # tune` holds), then finds the trials done
+            with file_lock(work / "tune"):
+                run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
+                           budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
+                           only=[k.name], trials_per_iter=8)
             extra_db = ms.database.JSONDatabase(work_dir=str(work))
             recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
             rep = reports[k.name]
