@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -12,6 +14,7 @@ import pytest
 from ttrank import engine, frontend, kernels, zoo
 from ttrank.cli import main
 from ttrank.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+from ttrank.target import isa_intrinsics_module, make_target
 
 
 def test_zoo_builds_every_network_deterministically():
@@ -294,3 +297,24 @@ def test_batch_norms_fold_into_transposed_convs_and_outputs_still_match(tmp_path
     out = engine.export(ex, tmp_path / "m.so")
     res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, model), model)
     assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_tuning_registers_only_the_cpus_own_tensor_intrinsics():
+    # MetaSchedule's TuneContext imports every backend's intrinsics (30 s and more); a CPU
+    # target needs only its ISA's, and a later full import must still be possible
+    code = (
+        "import sys\n"
+        "from tvm.s_tir import TensorIntrin, meta_schedule as ms\n"
+        "from ttrank.target import cpu_tensor_intrinsics, isa_intrinsics_module, make_target\n"
+        "t = make_target()\n"
+        "with cpu_tensor_intrinsics(t):\n"
+        "    ms.TuneContext(target=t)\n"
+        "x86 = isa_intrinsics_module(t) == 'x86'\n"
+        "print('tvm.s_tir.tensor_intrin.cuda' in sys.modules, 'tvm.s_tir.tensor_intrin' in sys.modules,\n"
+        "      not x86 or TensorIntrin.get('dot_16x4_vnni') is not None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True"]
+    aarch64 = make_target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"})
+    assert isa_intrinsics_module(aarch64) == "arm_cpu"
+    assert isa_intrinsics_module(None) is None

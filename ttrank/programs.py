@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RankerError, TTRankError
+from .target import cpu_tensor_intrinsics
 from .util import cache_dir
 
 log = logging.getLogger("ttrank")
@@ -51,7 +52,8 @@ class Featurizer:
 
         self.target = target
         self._extractor = ms.feature_extractor.PerStoreFeature(extract_workload=False)
-        self._context = ms.TuneContext(target=target)
+        with cpu_tensor_intrinsics(target):
+            self._context = ms.TuneContext(target=target)
 
     def of_candidates(self, candidates: list) -> np.ndarray:
         """``MeasureCandidate`` list -> (n, WIDTH) array; NaN rows for programs it cannot read."""

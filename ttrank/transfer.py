@@ -17,17 +17,15 @@ when candidates are measured (:mod:`ttrank.measure`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
 from .donors import DonorRecord, DonorWorkload, materialize
 from .kernels import Kernel
+from .target import cpu_tensor_intrinsics
 
 log = logging.getLogger("ttrank")
 
@@ -262,30 +260,13 @@ def _rename_blocks(trace, renames: dict[str, str]):
 _POSTPROCS: dict[str, list] = {}
 
 
-@contextlib.contextmanager
-def _without_tensor_intrinsics():
-    """TuneContext imports tvm.s_tir.tensor_intrin, which parses hundreds of TVMScript
-    intrinsics (30 s to minutes here); the llvm postprocessors use none of them, so a
-    placeholder module stands in while the context is made, and is removed after."""
-    name = "tvm.s_tir.tensor_intrin"
-    if name in sys.modules:
-        yield
-        return
-    stub = sys.modules[name] = types.ModuleType(name)
-    try:
-        yield
-    finally:
-        if sys.modules.get(name) is stub:
-            del sys.modules[name]
-
-
 def _postprocessors(target) -> list:
     """MetaSchedule's llvm postprocessors, initialised once per target."""
     from tvm.s_tir import meta_schedule as ms
 
     key = str(target)
     if key not in _POSTPROCS:
-        with _without_tensor_intrinsics():
+        with cpu_tensor_intrinsics(target):
             ctx = ms.TuneContext(target=target, num_threads="physical")
         procs = list(ms.postproc.Postproc.create("llvm"))
         for p in procs:

@@ -22,7 +22,7 @@ from pathlib import Path
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-from .target import make_target, provenance, runtime_threads
+from .target import cpu_tensor_intrinsics, make_target, provenance, runtime_threads
 from .util import STOP_REQUESTED, append_jsonl, atomic_write_json, read_jsonl, stop_at_safe_points
 
 log = logging.getLogger("ttrank")
@@ -258,7 +258,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             if on_progress:
                 on_progress(progress)
             # batches never exceed what the budget leaves, measured by this run's pace
-            with metaschedule_logging():  # it creates MetaSchedule's loggers, as tune_tasks does
+            # it creates MetaSchedule's loggers, as tune_tasks does
+            with metaschedule_logging(), cpu_tensor_intrinsics(target):
                 ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
                     [task], str(work_dir), seed=seed)
             if progress.search_started is None:
@@ -269,7 +270,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
                                           clock, on_batch))
             try:
-                with stop_at_safe_points(), metaschedule_logging():
+                with stop_at_safe_points(), metaschedule_logging(), cpu_tensor_intrinsics(target):
                     ms.tune.tune_tasks(
                         tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
                         max_trials_global=remaining, max_trials_per_task=remaining,
