@@ -13,6 +13,15 @@ from ttrank.target import make_target
 from ttrank.zoo import GraphBuilder
 
 
+@pytest.fixture(scope="module")
+def packed_net(tmp_path_factory):
+    """The tiny net as imported, and packed (lanes 16 whatever the host's vector width)."""
+    lm = _tiny_conv_net(tmp_path_factory.mktemp("pack"))
+    stats: dict = {}
+    packed = layouts.pack_conv2d_nchwc(lm.mod, target=make_target(), lanes=16, stats=stats)
+    return lm, packed, stats
+
+
 def _tiny_conv_net(tmp_path: Path):
     """A conv net with every case the pass handles: 16-divisible convs (propagated packing,
     bias and ReLU in the packed layout), a 1x1, a depthwise conv, and 3- and 8-channel convs
@@ -31,17 +40,16 @@ def _tiny_conv_net(tmp_path: Path):
     return frontend.load(str(path))
 
 
-def test_nchwc_pass_keeps_outputs_and_yields_packed_conv_tasks(tmp_path):
+def test_nchwc_pass_keeps_outputs_and_yields_packed_conv_tasks(packed_net):
     target = make_target()
-    lm = _tiny_conv_net(tmp_path)
-    stats: dict = {}
-    packed = layouts.pack_conv2d_nchwc(lm.mod, target=target, lanes=16, stats=stats)
+    lm, packed, stats = packed_net
     assert stats["propagated"] == 2 and stats["depthwise"] == 1 and stats["wrapped"] == 2
 
-    names = [k.name for k in kernels.extract(packed, target)]
+    ks = kernels.extract(packed, target)
+    names = [k.name for k in ks]
     assert any(n.startswith("fused_conv2d_NCHWc") for n in names), names  # conv + bias + relu
     assert any(n.startswith("depthwise_conv2d_NCHWc") for n in names), names
-    assert not any("conv2d_nchw" in k.anchor_op for k in kernels.extract(packed, target))
+    assert not any("conv2d_nchw" in k.anchor_op for k in ks)
 
     # the module keeps its NCHW interface; outputs equal onnxruntime's
     model = frontend.LoadedModel(lm.path, lm.onnx_model, lm.inputs, packed)
@@ -54,13 +62,11 @@ def test_nchwc_pass_keeps_outputs_and_yields_packed_conv_tasks(tmp_path):
         np.testing.assert_allclose(g_, r, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(r))))
 
 
-def test_packed_weights_fold_to_constants(tmp_path):
+def test_packed_weights_fold_to_constants(packed_net):
     """After fusion no kernel transforms a weight: the packed weights are folded constants."""
     from tvm import ir
 
-    target = make_target()
-    lm = _tiny_conv_net(tmp_path)
-    fused = kernels.fuse(layouts.pack_conv2d_nchwc(lm.mod, target=target, lanes=16))
+    fused = kernels.fuse(packed_net[1])
     consts = (ir.Constant, ir.GenericConst)
     packed_weights = 0
     for b in fused["main"].body.blocks[0].bindings:
