@@ -242,9 +242,11 @@ def ort_node_times(spec: dict, cache: dict) -> dict:
     one_hits = match_nodes(one_nodes, spec["op"])
     return {
         "ort_node_ms": min((h["median_ms"] for h in hits), default=None),
+        "ort_node_min_ms": min((h["min_ms"] for h in hits), default=None),
         "ort_node_ms_median_of_nodes": statistics.median([h["median_ms"] for h in hits]) if hits else None,
         "ort_nodes": [{k: h[k] for k in ("node", "op", "median_ms", "min_ms")} for h in hits],
         "ort_one_node_ms": min((h["median_ms"] for h in one_hits), default=None),
+        "ort_one_node_min_ms": min((h["min_ms"] for h in one_hits), default=None),
         "ort_one_node_op": one_hits[0]["op"] if one_hits else None,
         # the whole one-op model's nodes (layout reorders included), for reference
         "ort_one_model_nodes_ms": round(sum(n["median_ms"] for n in one_nodes), 4),
@@ -483,7 +485,8 @@ def markdown(res: dict) -> str:
         ort = kinfo.get("ort", {})
         lines.append(f"- {name} ({kinfo['about']}; {kinfo['network']} `{kinfo['task']}` x{kinfo['weight']}, "
                      f"same kernel as the one-op model: {kinfo.get('same_kernel')}): "
-                     f"node {_fmt(ort.get('ort_node_ms'))} ({len(ort.get('ort_nodes', []))} matching nodes, "
+                     f"node {_fmt(ort.get('ort_node_ms'))} (min {_fmt(ort.get('ort_node_min_ms'))}; "
+                     f"{len(ort.get('ort_nodes', []))} matching nodes, "
                      f"median {_fmt(ort.get('ort_node_ms_median_of_nodes'))}), "
                      f"one-op model {_fmt(ort.get('ort_one_node_ms'))} ({ort.get('ort_one_node_op')})")
     if res["networks"]:
