@@ -1,26 +1,31 @@
 """Activation layouts as a tuning lever: packed NCHW[x]c convolutions for x86, and NHWC.
 
-TVM 0.27 has no packed-conv kernel a MetaSchedule user can reach: ``ConvertLayout`` to
-``NCHW16c`` leaves ``relax.nn.conv2d`` with a 5-D data layout, and its legalization
-(``relax/transform/legalize_ops/nn.py``, ``_nn_conv2d``) returns such a call unchanged
-("Conv2D where data layout or kernel layout have channel chunk cannot be legalized by TOPI"),
-so ``extract_tasks`` never sees a packed conv. The x86 TOPI schedules (``topi/x86``) are gone
-from 0.27; only ``topi.nn.conv2d_NCHWc`` remains, and it needs a current target and folds the
-input channels into one reduction axis with div/mod indexing.
+What TVM 0.27 offers here (read in its installed source):
 
-:func:`pack_conv2d_nchwc` is a Relax pass on an imported module (before fusion) that replaces
-each float32 NCHW/OIHW ``relax.nn.conv2d`` (plain or depthwise) by
+- There is no packed-conv kernel a MetaSchedule user can reach. ``ConvertLayout`` to
+  ``NCHW16c``/``OIHW16i16o`` leaves ``relax.nn.conv2d`` with 5-D layouts, and its legalization
+  (``relax/transform/legalize_ops/nn.py:60``, ``_nn_conv2d``, lines 67-72) returns such a call
+  unchanged ("cannot be legalized by TOPI at this moment"), so ``extract_tasks`` never sees it.
+- ``topi/x86`` is gone; only ``topi.nn.conv2d_NCHWc`` (``topi/nn/conv2d.py:275``) is left. It
+  needs a current target (line 323) and reduces over all input channels as one axis with
+  div/mod indexing. MetaSchedule's ``schedule/x86`` package registers no custom rules, so the
+  default LLVM space (multi-level tiling, parallel/vectorize/unroll) is all there is.
+- ``ConvertLayout`` skips convs whose channels do not divide by the block (a 3-channel stem)
+  and every grouped/depthwise conv, leaving them NCHW.
+- A legalized ``relax.layout_transform`` (``legalize_ops/manipulate.py:319``) is written with
+  ``Schedule.transform_layout`` on the write; ``AnnotateTIROpPattern`` calls it opaque (8), so
+  it never fuses with anything.
 
-    layout_transform(data, NCHW -> NCHW[ic]c)
-    layout_transform(weight, OIHW -> OIHW[ic]i[oc]o)     (a constant: folded at compile time)
-    call_tir(conv2d_NCHWc)                               (a TE compute, tunable by MetaSchedule)
-    layout_transform(out, NCHW[oc]c -> NCHW)
-
-so the module keeps its NCHW interface, ttrank's fusion pipeline and ``compile_relax`` work
-unchanged, the output transform fuses into the conv's epilogue (bias, ReLU, residual add), and
-``extract_tasks`` yields a packed conv task (``fused_conv2d_NCHWc_...``). The packed kernel keeps
-the input-channel block as its own innermost reduction axis and the output-channel block as
-the innermost spatial axis: the loop a vector FMA wants.
+:func:`pack_conv2d_nchwc` is a Relax pass on an imported module (before fusion) that works
+around all four: ``ConvertLayout`` propagates the packed layout from conv to conv (through bias,
+ReLU and residual adds), the 5-D convs are legalized here to a TE packed conv
+(:func:`_te_conv2d_nchwc`: reduction over input-channel chunk, kh, kw, input-channel block; the
+output-channel block innermost, the loop a vector FMA wants), the convs ``ConvertLayout`` skips
+are packed one by one with block sizes from their own channel counts, and activation layout
+transforms become gathers (injective, so they fuse). Weight (and bias) transforms act on
+constants and ``FoldConstant`` folds them at compile time. The module keeps its NCHW
+interface, so ttrank's fusion pipeline, ``tune``, ``extract_tasks`` (which then yields
+``fused_conv2d_NCHWc_add_relu`` and such) and ``compile_relax`` work unchanged.
 """
 
 from __future__ import annotations
