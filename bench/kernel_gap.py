@@ -206,6 +206,10 @@ def match_nodes(nodes: list[dict], op: dict) -> list[dict]:
                 continue
             w = [op["cout"], op["cin"] // op.get("groups", 1), op["k"], op["k"]]
             x = [1, op["cin"], op["hw"], op["hw"]]
+            ohw = (op["hw"] + 2 * (op["k"] // 2) - op["k"]) // op["stride"] + 1
+            outs = n.get("outputs") or []
+            if outs and math.prod(outs[0]) != op["cout"] * ohw * ohw:  # another stride
+                continue
             # onnxruntime's NCHWc transformer reorders the weights (and the data to nChw8c/16c)
             # a 4th input is the residual sum onnxruntime fused in: another kernel
             if len(ins) > 3:

@@ -110,10 +110,15 @@ def test_onnxruntime_node_matching(kind):
 
     if kind == "conv":
         op = kg.KERNELS["conv3x3"]["op"]
-        nodes = [{"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128]]},
-                 {"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128], [1, 128, 28, 28]]},
-                 {"op": "Conv", "inputs": [[1, 64, 56, 56], [128, 64, 3, 3], [128]]}]
-        assert kg.match_nodes(nodes, op) == nodes[:1]  # the residual-sum node is another kernel
+        out = [[1, 128, 28, 28]]
+        nodes = [{"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128]], "outputs": out},
+                 {"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128], [1, 128, 28, 28]],
+                  "outputs": out},
+                 {"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128]],
+                  "outputs": [[1, 128, 14, 14]]},
+                 {"op": "Conv", "inputs": [[1, 64, 56, 56], [128, 64, 3, 3], [128]], "outputs": out}]
+        # the residual-sum node and the stride-2 node are other kernels
+        assert kg.match_nodes(nodes, op) == nodes[:1]
     else:
         op = kg.KERNELS["dense"]["op"]
         nodes = [{"op": "Gemm", "inputs": [[256, 768], [768]], "outputs": [[256, 768]]},
