@@ -369,15 +369,19 @@ def run_kernel_cell(name: str, lever: str, args, target, deadline: float, state:
         side = {k: (None if v["best_s"] is None else round(v["best_s"] * 1e3, 5))
                 for k, v in count_trials(work / "side").items()}
     wall = time.time() - t0
-    done = count_trials(work / "anchor").get(anchor.name, {})
-    pts = curve(work / "anchor", anchor.name)
+    tuned = count_trials(work / "anchor")
+    # the anchor work dir holds one task; its name can differ from the plain extraction's
+    # (AttachAttrLayoutFreeBuffers renames the functions it marks: fused_conv2d_add1)
+    task = anchor.name if anchor.name in tuned or len(tuned) != 1 else next(iter(tuned))
+    done = tuned.get(task, {})
+    pts = curve(work / "anchor", task)
     depths = [p["trials"] for p in pts]
     re_all = remeasure(work / "anchor", depths, target, all_threads)
     _set_threads(all_threads)
     for p in pts:
         p["remeasured_ms"] = re_all.get(p["trials"])
     return {
-        "kernel": name, "lever": lever, "anchor_task": anchor.name,
+        "kernel": name, "lever": lever, "anchor_task": task,
         "anchor_hash": anchor.workload_hash, "anchor_class": anchor.workload_class,
         "trials": done.get("done", 0), "target_trials": args.max_trials,
         "complete": bool(done.get("complete")) or done.get("done", 0) >= args.max_trials,
