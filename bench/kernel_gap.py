@@ -395,10 +395,7 @@ def run_kernel_cell(name: str, lever: str, args, target, deadline: float, state:
 
 def run_network_cell(net: str, lever: str, args, target, deadline: float) -> dict:
     """A whole network tuned at --gap-trials per kernel: compiled time vs the kernel sum."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from ttrank import engine, frontend, zoo
-    from ttrank.frontend import LoadedModel
+    from ttrank import frontend, zoo
     from ttrank.target import host_cores, provenance
     from ttrank.tune import count_trials, tune
 
@@ -426,16 +423,27 @@ def run_network_cell(net: str, lever: str, args, target, deadline: float) -> dic
            "kernels_without_valid_trial": sum(1 for k in kernels if k["best_ms"] is None),
            "provenance": provenance(target)}
     if complete:
-        db = ms.database.JSONDatabase(work_dir=str(work))
-        lm2 = LoadedModel(lm.path, lm.onnx_model, lm.inputs, mod)
-        cm = engine.CompiledModel.from_executable(engine.compile_model(lm2, target, db), lm2)
-        chk = engine.check_against_onnxruntime(cm, lm2)
-        times = engine.alternate_ms(lm2, {"ttrank": cm}, rounds=5, min_repeat_ms=300)
-        row.update(whole_model_ms=round(times["ttrank"], 4), ort_ms=round(times["onnxruntime"], 4),
-                   whole_over_kernel_sum=round(times["ttrank"] / kernel_sum, 3) if kernel_sum else None,
-                   whole_over_ort=round(times["ttrank"] / times["onnxruntime"], 3),
-                   check_max_rel_error=chk.max_rel_error, check_ok=chk.ok)
+        row.update(whole_model_times(lm, mod, work, target, kernel_sum))
     return row
+
+
+def whole_model_times(lm, mod, work: Path, target, kernel_sum: float | None) -> dict:
+    """Compile ``mod`` (the network as the lever prepared it) with the database in ``work``,
+    check its outputs against onnxruntime, and time both in alternation."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from ttrank import engine
+    from ttrank.frontend import LoadedModel
+
+    db = ms.database.JSONDatabase(work_dir=str(work))
+    lm2 = LoadedModel(lm.path, lm.onnx_model, lm.inputs, mod)
+    cm = engine.CompiledModel.from_executable(engine.compile_model(lm2, target, db), lm2)
+    chk = engine.check_against_onnxruntime(cm, lm2)
+    times = engine.alternate_ms(lm2, {"ttrank": cm}, rounds=5, min_repeat_ms=300)
+    return {"whole_model_ms": round(times["ttrank"], 4), "ort_ms": round(times["onnxruntime"], 4),
+            "whole_over_kernel_sum": round(times["ttrank"] / kernel_sum, 3) if kernel_sum else None,
+            "whole_over_ort": round(times["ttrank"] / times["onnxruntime"], 3),
+            "check_max_rel_error": chk.max_rel_error, "check_ok": chk.ok}
 
 
 # ------------------------------------------------------------------------------------------
