@@ -17,7 +17,8 @@ what each lever buys against onnxruntime's own time for the same node:
                times (and onnxruntime's whole-model time, in alternation);
 - ``gap_nchwc`` the same with the packed layout (where packing propagates from conv to conv).
 
-Every cell's best records are re-measured at each depth with every runtime thread (top 3 by
+``search s`` is the tuning run's clock (trials.jsonl), MetaSchedule's one-time set-up included
+(about 30 s on an idle machine). Every cell's best records are re-measured at each depth with every runtime thread (top 3 by
 the tuning-time latency among the first N trials), so the cells compare directly.
 onnxruntime's node time comes from its profiler: the full zoo network, the node mapped by its
 input and weight shapes (``ort_node_ms``: the fastest matching node's median), and the one-op
