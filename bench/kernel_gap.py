@@ -24,7 +24,7 @@ onnxruntime's node time comes from its profiler: the full zoo network, the node 
 input and weight shapes (``ort_node_ms``: the fastest matching node's median), and the one-op
 model (``ort_one_node_ms``).
 
-Resumable and budgeted: each cell tunes into ``<out dir>/kernel_gap_work/<kernel>/<lever>`` with
+Resumable and budgeted: each cell tunes into ``<work>/<kernel>/<lever>`` (``--work``) with
 ttrank's resumable ``tune``; the JSON and the Markdown table are rewritten after every cell, so a
 killed run keeps what it finished and a rerun continues (finished cells are skipped; raising
 ``--max-trials`` extends them).
@@ -530,7 +530,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-batch", type=int, default=64, help="candidates per MetaSchedule batch")
     ap.add_argument("--budget-minutes", type=float, default=None, help="stop starting work after this")
     ap.add_argument("--out", default="bench/results/kernel_gap.json")
-    ap.add_argument("--work", default=None, help="tuning work dirs (default: beside --out)")
+    ap.add_argument("--work", default=None, help="tuning work dirs (default: bench/work/kernel_gap "
+                    "for an --out in bench/results, else kernel_gap_work beside --out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ort", action="store_true", help="skip onnxruntime's profiles")
     args = ap.parse_args(argv)
@@ -541,7 +542,10 @@ def main(argv=None) -> int:
     use_host_threads()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    args.work = args.work or str(out.parent / "kernel_gap_work")
+    if not args.work:  # the tuning databases stay out of bench/results (bench/work is ignored)
+        in_results = out.parent.resolve() == (ROOT / "bench" / "results").resolve()
+        args.work = str(ROOT / "bench" / "work" / "kernel_gap" if in_results
+                        else out.parent / "kernel_gap_work")
     started = time.time()
     deadline = started + args.budget_minutes * 60 if args.budget_minutes else float("inf")
     target = make_target()
