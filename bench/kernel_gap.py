@@ -18,8 +18,9 @@ what each lever buys against onnxruntime's own time for the same node:
 - ``gap_nchwc`` the same with the packed layout (where packing propagates from conv to conv).
 
 ``search s`` is the tuning run's clock (trials.jsonl), MetaSchedule's one-time set-up included
-(about 30 s on an idle machine). Every cell's best records are re-measured at each depth with every runtime thread (top 3 by
-the tuning-time latency among the first N trials), so the cells compare directly.
+(about 30 s on an idle machine). Every cell's best records are re-measured at each depth with
+every runtime thread (top 3 by the tuning-time latency among the first N trials), so the cells
+compare directly.
 onnxruntime's node time comes from its profiler: the full zoo network, the node mapped by its
 input and weight shapes (``ort_node_ms``: the fastest matching node's median), and the one-op
 model (``ort_one_node_ms``).
@@ -35,7 +36,8 @@ cell, 23 kernel cells and 4 network cells; ``--budget-minutes`` caps it, a rerun
     PYTHONPATH=. python bench/kernel_gap.py --max-trials 1024 --budget-minutes 330 \\
         --out bench/results/kernel_gap.json
 
-A smoke run (a minute or two per cell):
+A smoke run (a minute or two per cell on an idle machine; 8 to 13 minutes per cell were seen on
+one core shared with other jobs):
 
     PYTHONPATH=. python bench/kernel_gap.py --kernels conv3x3 --levers depth,nchwc \\
         --max-trials 32 --out /tmp/kg/kernel_gap.json
