@@ -442,7 +442,6 @@ class Measurer:
         ``references`` gives each module its own (reference, key), so one batch can hold the
         candidates of several kernels and keep every build worker busy.
         """
-        from tvm.s_tir.meta_schedule.arg_info import ArgInfo
         from tvm.s_tir.meta_schedule.runner import RunnerInput
 
         if not mods:
@@ -465,8 +464,7 @@ class Measurer:
             if status != "ok":
                 out[i] = Measurement(None, status, str(value))
                 continue
-            func = m[[gv for gv in m.functions][0]]
-            inputs.append(RunnerInput(value, "cpu", ArgInfo.from_prim_func(func)))
+            inputs.append(RunnerInput(value, "cpu", _run_args(m)))
             idx.append(i)
             paths.append(value)
         t1 = time.time()
@@ -527,6 +525,18 @@ class Measurer:
 
     def close(self) -> None:
         self.builder.close()
+
+
+def _run_args(mod):
+    """The built kernel's arguments: a pre-packed (layout-rewritten) schedule is built without
+    its weight-rewrite block, so it takes the weight in the packed layout, as MetaSchedule's
+    own runner inputs say (``from_entry_func(remove_preproc=True)``)."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    try:
+        return ArgInfo.from_entry_func(mod, remove_preproc=True)
+    except Exception:  # noqa: BLE001 - no single entry function
+        return ArgInfo.from_prim_func(mod[[gv for gv in mod.functions][0]])
 
 
 def _rm(path: str) -> None:

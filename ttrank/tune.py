@@ -164,13 +164,16 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
          model_name: str = "model", seed: int | None = None,
          on_progress: Callable[[TuneProgress], None] | None = None,
          build_timeout_sec: float = 60.0, runner=None,
-         only: list[str] | None = None) -> TuneProgress:
+         only: list[str] | None = None, prepare: Callable | None = None) -> TuneProgress:
     """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
 
     Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
     ``trials_per_task`` trials (injective kernels, which do no arithmetic, get
     ``injective_trials``). The run stops starting new batches when the budget is spent.
     ``only``: tune just the kernels whose task name contains one of these strings.
+    ``prepare``: a function applied to the fused module before task extraction (for example
+    ``relax.transform.AttachAttrLayoutFreeBuffers()``, which lets MetaSchedule's RewriteLayout
+    pre-pack the weights).
     """
     from tvm.s_tir import meta_schedule as ms
 
@@ -185,7 +188,10 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     target = target if target is not None else make_target()
     if injective_trials is None:
         injective_trials = max(4, trials_per_task // 8)
-    extracted = ms.relax_integration.extract_tasks(fuse(mod), target)
+    fused = fuse(mod)
+    if prepare is not None:
+        fused = prepare(fused)
+    extracted = ms.relax_integration.extract_tasks(fused, target)
     if only:
         # a kernel's full name selects it alone (fused_conv2d1 is not fused_conv2d11); any
         # other string selects every kernel whose name contains it
