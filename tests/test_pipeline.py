@@ -131,7 +131,8 @@ def test_rank_returns_scored_candidates_without_measuring(trained, donor_dir, ti
                          ranker=Ranker.load(trained), k=3)
     conv = ranked["fused_conv2d1_add_relu"]
     assert 0 < len(conv) <= 3
-    assert all(c.mod is None for c in conv)  # nothing applied or measured
+    # ranked pairs, nothing applied or measured: a Candidate holds no program (a Transferred does)
+    assert all(isinstance(c, ttrank.Candidate) and not hasattr(c, "mod") for c in conv)
     assert conv[0].score >= conv[-1].score
     c = conv[0]
     assert c.donor.network == "tiny_resnet" and c.record.trace_json and c.features

@@ -172,16 +172,16 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # workers stay busy; each chunk's rows are appended before the next starts (Ctrl-C keeps them).
     t0 = time.time()
     measurer = Measurer(target, runner or RunnerSpec())
-    row = dict(provenance=prov, target_key=tkey)
+    stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
     try:
-        _measure_untuned(model.name, kernels, measurer, cached, table, reports, row)
+        _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
         picks, shares = {}, {}
         for k in kernels:
             picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
                                                        top_k, minor_share, stage2, cached, target)
             progress("transferring", len(picks), len(kernels), k.name)
         fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
-                                           row, measure_budget_s, t0, progress)
+                                           stamp, measure_budget_s, t0, progress)
         chosen = {k.name: t for k in kernels
                   if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
     finally:
@@ -225,13 +225,13 @@ def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
 
 
 def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, cached: dict, table: Path,
-                     reports: dict[str, KernelReport], row: dict) -> None:
+                     reports: dict[str, KernelReport], stamp: dict) -> None:
     """Every untuned kernel first (once each, reused across runs): their shares of the model
     decide how many candidates each kernel gets, and their sum how the whole model is timed."""
     need = [k for k in kernels if (k.workload_hash, UNTUNED) not in cached]
     for k, m in zip(need, measurer.baseline().measure([k.mod for k in need]) if need else []):
         r = cached[(k.workload_hash, UNTUNED)] = measurements.row(
-            network, k, m.status, m.latency_s, m.error, row["provenance"], target_key=row["target_key"])
+            network, k, m.status, m.latency_s, m.error, stamp["provenance"], target_key=stamp["target_key"])
         append_jsonl(table, r)
     for k in kernels:
         reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
@@ -262,7 +262,7 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
 
 
 def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pick]], shares: dict,
-                   measurer: Measurer, table: Path, reports: dict[str, KernelReport], row: dict,
+                   measurer: Measurer, table: Path, reports: dict[str, KernelReport], stamp: dict,
                    budget_s: float | None, t0: float, progress: Progress) -> tuple[dict[int, dict], int]:
     """Measure the transferred picks in batches: every kernel's first before any kernel's
     second, big shares of the model first, until the budget runs out. Returns (row by
@@ -281,9 +281,9 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
         for (k, p, _), m in zip(part, results):
             c = p.candidate
             r = fresh[id(p)] = measurements.row(
-                network, k, m.status if not m.ok else "ok", m.latency_s, m.error, row["provenance"],
+                network, k, m.status if not m.ok else "ok", m.latency_s, m.error, stamp["provenance"],
                 p.transferred, untuned_s=reports[k.name].untuned_s, scores=(c.score, c.cost_score),
-                target_key=row["target_key"])
+                target_key=stamp["target_key"])
             rows.append(r)
         append_jsonl(table, rows)
         progress("measuring", min(s + chunk, len(todo)), len(todo), part[-1][0].name)
