@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import collect, donors, frontend, locations, kernels, pipeline, runtime, training, tune, util, zoo
+from . import collect, donors, frontend, kernels, locations, pipeline, runtime, training, tune, util, zoo
 from .coverage import coverage
 from .errors import BusyError, CheckError, OutputError, TTRankError
 from .evaluate import KEYS, PAPER_PAIRING
@@ -27,6 +27,7 @@ from .util import atomic_write_json, cache_dir, on_sigint, say
 from .workdir import open_database
 
 log = logging.getLogger("ttrank")
+
 
 def _console():
     from rich.console import Console
@@ -173,7 +174,7 @@ def cmd_compile(args) -> int:
                   f"{'OK' if res.ok else 'MISMATCH'}")
         if not res.ok:
             raise CheckError(f"compiled outputs differ from onnxruntime "
-                                    f"(max abs error {res.max_abs_error:.3g}); nothing written")
+                             f"(max abs error {res.max_abs_error:.3g}); nothing written")
         if args.time:
             lat = runtime.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
             con.print(f"latency (timed in alternation, min of 3): ttrank/TVM {lat['tvm']:.2f} ms, "
