@@ -57,10 +57,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
+from tvm import relax, s_tir
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from ttrank import frontend, kernels, layouts, runtime, zoo
+from ttrank.bench import results_dir
+from ttrank.frontend import LoadedModel
+from ttrank.measure import Measurer, RunnerSpec
+from ttrank.target import host_cores, machine_busy, make_target, provenance, runtime_threads, use_host_threads
+from ttrank.tune import count_trials, tune
+from ttrank.util import atomic_write_json, atomic_write_text, read_jsonl
+from ttrank.zoo import GraphBuilder
+
 
 log = logging.getLogger("ttrank.kernel_gap")
 
@@ -106,7 +116,6 @@ GAP_NETWORKS = ("resnet18", "mobilenetv2")
 
 def one_op_model(op: dict, seed: int = 0):
     """The one-op ONNX model of a kernel (zoo-style weights)."""
-    from ttrank.zoo import GraphBuilder
 
     g = GraphBuilder("kernel", seed)
     if op["kind"] == "conv":
@@ -124,7 +133,6 @@ def one_op_model(op: dict, seed: int = 0):
 
 
 def load_onnx(model, name: str):
-    from ttrank import frontend
 
     path = Path(tempfile.mkdtemp(prefix="kgap-")) / f"{name}.onnx"
     path.write_bytes(model.SerializeToString())
@@ -133,7 +141,6 @@ def load_onnx(model, name: str):
 
 def find_zoo_kernel(spec: dict, target) -> dict:
     """The kernel in its zoo network (ttrank's task extraction): name, weight, hash."""
-    from ttrank import frontend, kernels, zoo
 
     lm = frontend.load(str(zoo.cached(spec["network"])))
     for k in kernels.extract(lm.mod, target, include_injective=False):
@@ -145,7 +152,6 @@ def find_zoo_kernel(spec: dict, target) -> dict:
 
 def anchor_of(mod, target):
     """The heaviest kernel of a module and the names of the others."""
-    from ttrank import kernels
 
     ks = kernels.extract(mod, target, include_injective=True)
     tunable = [k for k in ks if k.flops > 0]
@@ -159,9 +165,7 @@ def anchor_of(mod, target):
 
 def ort_profile(onnx_model, feed: dict, runs: int = 30, threads: int | None = None) -> list[dict]:
     """Per node of onnxruntime's optimised graph: op, input shapes, median and min ms."""
-    import onnxruntime as ort
 
-    from ttrank.target import runtime_threads
 
     tmp = tempfile.mkdtemp(prefix="kgap-ort-")
     so = ort.SessionOptions()
@@ -237,7 +241,6 @@ def match_nodes(nodes: list[dict], op: dict) -> list[dict]:
 
 def ort_node_times(spec: dict, cache: dict) -> dict:
     """onnxruntime's own time for the kernel's node: in the full network, and as one op."""
-    from ttrank import frontend, zoo
 
     net = spec["network"]
     if net not in cache:
@@ -270,9 +273,7 @@ def _set_threads(n: int) -> None:
 
 def lever_module(lm, lever: str, target):
     """The kernel's module as the lever prepares it, and the tune() ``prepare`` hook."""
-    from tvm import relax
 
-    from ttrank import layouts
 
     if lever == "nhwc":
         return layouts.to_nhwc(lm.mod), None
@@ -285,7 +286,6 @@ def lever_module(lm, lever: str, target):
 
 def read_records(work_dir: Path):
     """The tuning records of a JSONDatabase work_dir in the order they were committed."""
-    from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
 
     wpath, rpath = work_dir / "database_workload.json", work_dir / "database_tuning_record.json"
     if not rpath.exists():
@@ -305,7 +305,6 @@ def read_records(work_dir: Path):
 
 def curve(work_dir: Path, task: str) -> list[dict]:
     """Best-so-far latency and search seconds of one task at each depth it reached."""
-    from ttrank.util import read_jsonl
 
     rows = [r for r in read_jsonl(work_dir / "trials.jsonl") if r.get("task") == task and not r.get("event")]
     pts, best = [], None
@@ -322,9 +321,7 @@ def curve(work_dir: Path, task: str) -> list[dict]:
 def remeasure(work_dir: Path, depths: list[int], target, threads: int) -> dict[int, float | None]:
     """At each depth: the top records among the first N trials, re-measured with ``threads``
     runtime threads (min over them, ms)."""
-    from tvm import s_tir
 
-    from ttrank.measure import Measurer, RunnerSpec
 
     recs = read_records(work_dir)
     _set_threads(threads)  # the measuring workers start now and inherit it
@@ -347,8 +344,6 @@ def remeasure(work_dir: Path, depths: list[int], target, threads: int) -> dict[i
 
 
 def run_kernel_cell(name: str, lever: str, args, target, deadline: float, state: dict) -> dict:
-    from ttrank.target import host_cores, provenance
-    from ttrank.tune import count_trials, tune
 
     spec = KERNELS[name]
     all_threads = host_cores()
@@ -398,9 +393,6 @@ def run_kernel_cell(name: str, lever: str, args, target, deadline: float, state:
 
 def run_network_cell(net: str, lever: str, args, target, deadline: float) -> dict:
     """A whole network tuned at --gap-trials per kernel: compiled time vs the kernel sum."""
-    from ttrank import frontend, zoo
-    from ttrank.target import host_cores, provenance
-    from ttrank.tune import count_trials, tune
 
     all_threads = host_cores()
     _set_threads(all_threads)
@@ -433,16 +425,13 @@ def run_network_cell(net: str, lever: str, args, target, deadline: float) -> dic
 def whole_model_times(lm, mod, work: Path, target, kernel_sum: float | None) -> dict:
     """Compile ``mod`` (the network as the lever prepared it) with the database in ``work``,
     check its outputs against onnxruntime, and time both in alternation."""
-    from tvm.s_tir import meta_schedule as ms
 
-    from ttrank import engine
-    from ttrank.frontend import LoadedModel
 
     db = ms.database.JSONDatabase(work_dir=str(work))
     lm2 = LoadedModel(lm.path, lm.onnx_model, lm.inputs, mod)
-    cm = engine.CompiledModel.from_executable(engine.compile_model(lm2, target, db), lm2)
-    chk = engine.check_against_onnxruntime(cm, lm2)
-    times = engine.alternate_ms(lm2, {"ttrank": cm}, rounds=5, min_repeat_ms=300)
+    cm = runtime.CompiledModel.from_executable(runtime.compile_model(lm2, target, db), lm2)
+    chk = runtime.check_against_onnxruntime(cm, lm2)
+    times = runtime.alternate_ms(lm2, {"ttrank": cm}, rounds=5, min_repeat_ms=300)
     return {"whole_model_ms": round(times["ttrank"], 4), "ort_ms": round(times["onnxruntime"], 4),
             "whole_over_kernel_sum": round(times["ttrank"] / kernel_sum, 3) if kernel_sum else None,
             "whole_over_ort": round(times["ttrank"] / times["onnxruntime"], 3),
@@ -460,7 +449,6 @@ def load_results(path: Path) -> dict:
 
 
 def save(path: Path, res: dict) -> None:
-    from ttrank.util import atomic_write_json, atomic_write_text
 
     atomic_write_json(path, res)
     atomic_write_text(path.with_suffix(".md"), markdown(res))
@@ -539,14 +527,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
-    from ttrank.target import host_cores, machine_busy, make_target, provenance, use_host_threads
 
     use_host_threads()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if not args.work:  # the tuning databases stay out of bench/results (bench/work is ignored)
-        in_results = out.parent.resolve() == (ROOT / "bench" / "results").resolve()
-        args.work = str(ROOT / "bench" / "work" / "kernel_gap" if in_results
+        in_results = out.parent.resolve() == results_dir().resolve()
+        args.work = str(results_dir().parent / "work" / "kernel_gap" if in_results
                         else out.parent / "kernel_gap_work")
     started = time.time()
     deadline = started + args.budget_minutes * 60 if args.budget_minutes else float("inf")

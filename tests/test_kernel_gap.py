@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ttrank import engine, frontend, kernels, layouts
+from ttrank import frontend, kernels, layouts, runtime
 from ttrank.target import make_target
 from ttrank.zoo import GraphBuilder
 
@@ -53,9 +53,9 @@ def test_nchwc_pass_keeps_outputs_and_yields_packed_conv_tasks(packed_net):
 
     # the module keeps its NCHW interface; outputs equal onnxruntime's
     model = frontend.LoadedModel(lm.path, lm.onnx_model, lm.inputs, packed)
-    cm = engine.CompiledModel.from_executable(engine.compile_model(model, target), model)
+    cm = runtime.CompiledModel.from_executable(runtime.compile_model(model, target), model)
     feed = model.random_inputs(1)
-    ref = engine.onnxruntime_reference(model, feed)
+    ref = runtime.onnxruntime_reference(model, feed)
     got = cm.run(feed)
     for g_, r in zip(got, ref):
         assert g_.shape == r.shape

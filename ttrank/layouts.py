@@ -33,6 +33,14 @@ from __future__ import annotations
 import logging
 import re
 
+import tvm
+from tvm import ir, relax, te, topi
+from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.target import codegen
+from tvm.tirx import IndexMap
+
+from .target import make_target
+
 log = logging.getLogger("ttrank")
 
 # the packed-conv PrimFuncs' name hints: fused task names then read fused_conv2d_NCHWc_add_relu
@@ -42,12 +50,10 @@ PACKED_DEPTHWISE = "depthwise_conv2d_NCHWc"
 
 def simd_lanes(target=None, dtype_bits: int = 32) -> int:
     """float32 lanes of the target's widest vector unit (16 with AVX-512, 8 with AVX2)."""
-    from .target import make_target
 
     t = target if target is not None else make_target()
     mcpu = str(t.attrs.get("mcpu", "")) if hasattr(t, "attrs") else ""
     try:
-        from tvm.target import codegen
 
         bits = int(codegen.llvm_get_vector_width(t)) if hasattr(codegen, "llvm_get_vector_width") else 0
     except Exception:  # noqa: BLE001 - fall back on the CPU name
@@ -73,7 +79,6 @@ def block_size(channels: int, lanes: int, cap: int | None = None) -> int:
 def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
     """Packed conv: data [N, IC//ib, H, W, ib], kernel [OC//ob, IC//ib, KH, KW, ib, ob]
     -> [N, OC//ob, OH, OW, ob]; reduction over (ic_chunk, kh, kw, ic_block)."""
-    from tvm import te, topi
 
     n, icc, ih, iw, ib = (int(x) for x in data.shape)
     occ, _, kh, kw, _, ob = (int(x) for x in kernel.shape)
@@ -99,7 +104,6 @@ def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
 
 def _te_depthwise_nchwc(data, kernel, strides, padding, dilation, out_dtype):
     """Packed depthwise conv: data [N, C//cb, H, W, cb], kernel [C//cb, 1, KH, KW, cb]."""
-    from tvm import te, topi
 
     n, cc, ih, iw, cb = (int(x) for x in data.shape)
     _, _, kh, kw, _ = (int(x) for x in kernel.shape)
@@ -122,7 +126,6 @@ def _te_depthwise_nchwc(data, kernel, strides, padding, dilation, out_dtype):
 
 
 def _static_shape(expr) -> list[int] | None:
-    from tvm import relax
 
     sinfo = expr.ty  # TVM 0.27 renamed struct_info to ty (relax.TensorType)
     if not isinstance(sinfo, relax.TensorType) or sinfo.shape is None:
@@ -137,7 +140,6 @@ def _te_gather_transform(x, index_map):
     """A layout transform written as a gather (out[i] = x[inverse(i)]): TIR pattern injective,
     so it fuses with its neighbours. The stock legalization (``relax.layout_transform`` via
     ``Schedule.transform_layout`` on the write) is annotated opaque and never fuses."""
-    from tvm import te
 
     shape = [int(d) for d in x.shape]
     out_shape = [int(d) for d in index_map.map_shape(shape)]
@@ -169,9 +171,6 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
 
     ``stats`` (a dict) receives the counts: propagated, wrapped, depthwise, transforms.
     """
-    import tvm
-    from tvm import ir, relax
-    from tvm.relax.expr_functor import PyExprMutator, mutator
 
     lanes = lanes or simd_lanes(target)
     if propagate:
@@ -277,7 +276,6 @@ def _gather(bb, x, index_map):
 
 
 def _imap(fn):
-    from tvm.tirx import IndexMap
 
     return IndexMap.from_func(fn, index_dtype="int64")
 
@@ -289,8 +287,6 @@ def count_packed(mod) -> int:
 
 def to_nhwc(mod):
     """Relax's own layout conversion: every conv2d in NHWC/OHWI (transforms at the edges)."""
-    import tvm
-    from tvm import relax
 
     with tvm.transform.PassContext(opt_level=3):
         return relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod)

@@ -24,6 +24,7 @@ from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuild
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .errors import DeviceError
+from .target import host_cores
 
 log = logging.getLogger("ttrank")
 
@@ -170,8 +171,6 @@ class WarmPoolBuilder(PyBuilder):
     def __init__(self, max_workers: int | None = None, timeout_sec: float = 60.0,
                  artifact_dir: str | None = None) -> None:
         super().__init__()
-        from .target import host_cores
-
         self.max_workers = max_workers or host_cores()
         self.timeout_sec = timeout_sec
         self.artifact_dir = artifact_dir or tempfile.mkdtemp(prefix="ttrank-build-")

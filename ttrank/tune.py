@@ -22,22 +22,22 @@ from pathlib import Path
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
+from .errors import TTRankError
+from .frontend import LoadedModel
+from .kernels import describe, fuse
+from .measure import RunnerSpec, WarmPoolBuilder
+from .runtime import model_latencies
 from .target import cpu_tensor_intrinsics, make_target, provenance, runtime_threads
-from .util import STOP_REQUESTED, append_jsonl, atomic_write_json, read_jsonl, stop_at_safe_points
+from .util import STOP_REQUESTED, append_jsonl, atomic_write_bytes, stop_at_safe_points
+from .workdir import (FAILED_SECS, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, open_database, read_manifest,
+                      trials, write_manifest)
 
 log = logging.getLogger("ttrank")
 
-WORKLOAD_FILE = "database_workload.json"
-RECORD_FILE = "database_tuning_record.json"
-TRIALS_FILE = "trials.jsonl"
-MANIFEST_FILE = "tune_manifest.json"
-FAILED_SECS = 1e9  # MetaSchedule records failed trials with 1e10 s
 
 
 def repair_database(work_dir: str | Path) -> list[str]:
     """Move a torn last line of each database file to ``<file>.torn`` so the database loads."""
-    from .util import atomic_write_bytes
-
     notes = []
     for name in (WORKLOAD_FILE, RECORD_FILE):
         path = Path(work_dir) / name
@@ -144,7 +144,7 @@ class _StopTuning(Exception):
 def count_trials(work_dir: str | Path) -> dict[str, dict]:
     """Per task: trials logged and best latency, from trials.jsonl."""
     out: dict[str, dict] = {}
-    for row in read_jsonl(Path(work_dir) / TRIALS_FILE):
+    for row in trials(work_dir):
         t = out.setdefault(row["task"], {"done": 0, "best_s": None, "search_s": 0.0,
                                          "complete": False})
         if row.get("event") == "task_complete":
@@ -175,10 +175,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     ``relax.transform.AttachAttrLayoutFreeBuffers()``, which lets MetaSchedule's RewriteLayout
     pre-pack the weights).
     """
-    from tvm.s_tir import meta_schedule as ms
-
-    from .kernels import describe, fuse
-    from .measure import RunnerSpec, WarmPoolBuilder
+    from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when tuning
 
     started = time.time()
     work_dir = Path(work_dir)
@@ -199,8 +196,6 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
         extracted = [t for t in extracted
                      if any(t.task_name == o if o in names else o in t.task_name for o in only)]
         if not extracted:
-            from .errors import TTRankError
-
             raise TTRankError(f"--only {' '.join(only)} matches no kernel of this model")
     kernels = [describe(t.dispatched[0], t.task_name, t.weight) for t in extracted]
     order = sorted(range(len(extracted)), key=lambda i: -kernels[i].flops * kernels[i].weight)
@@ -208,7 +203,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     done = count_trials(work_dir)
     progress = TuneProgress(budget_s=budget_minutes * 60 if budget_minutes else None)
     prior_search = max((d["search_s"] for d in done.values()), default=0.0)
-    old = _read_manifest(work_dir)
+    old = read_manifest(work_dir)
     for i in order:
         k = kernels[i]
         want = trials_per_task if k.flops > 0 else injective_trials
@@ -337,18 +332,10 @@ def metaschedule_logging():
                 ms_logger.addHandler(h)
 
 
-def _read_manifest(work_dir: Path) -> dict:
-    try:
-        return json.loads((work_dir / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
                     injective_trials: int, kernels, progress: TuneProgress,
                     prior_search: float) -> None:
-    path = work_dir / MANIFEST_FILE
-    old = json.loads(path.read_text()) if path.exists() else {}
+    old = read_manifest(work_dir)
     prov = provenance(target)
     earlier_cpus = old.get("cpus") or [(old.get("provenance") or {}).get("mcpu")]
     manifest = {
@@ -374,5 +361,18 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
                    "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
     }
-    atomic_write_json(path, manifest)
+    write_manifest(work_dir, manifest)
 
+
+def measure_model(model: LoadedModel, target, work_dir: str | Path,
+                  on_start: Callable[[], None] | None = None) -> dict | None:
+    """Record the whole model's latency (untuned, tuned with the work_dir, onnxruntime) in the
+    tune manifest, once; returns it, or None when the manifest already had it."""
+    manifest = read_manifest(work_dir)
+    if manifest.get("model_latency_ms"):
+        return None
+    if on_start is not None:
+        on_start()
+    manifest["model_latency_ms"] = lat = model_latencies(model, target, open_database(work_dir))
+    write_manifest(work_dir, manifest)
+    return lat
