@@ -76,12 +76,9 @@ def block_size(channels: int, lanes: int, cap: int | None = None) -> int:
     return 1
 
 
-def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
-    """Packed conv: data [N, IC//ib, H, W, ib], kernel [OC//ob, IC//ib, KH, KW, ib, ob]
-    -> [N, OC//ob, OH, OW, ob]; reduction over (ic_chunk, kh, kw, ic_block)."""
-
-    n, icc, ih, iw, ib = (int(x) for x in data.shape)
-    occ, _, kh, kw, _, ob = (int(x) for x in kernel.shape)
+def _padded_geometry(data, kh: int, kw: int, strides, padding, dilation):
+    """A packed [N, C//b, H, W, b] input padded on H and W, and the output's height and width."""
+    ih, iw = int(data.shape[2]), int(data.shape[3])
     sh, sw = (int(s) for s in strides)
     dh, dw = (int(d) for d in dilation)
     pt, pl, pb, pr = (int(p) for p in padding)
@@ -89,6 +86,16 @@ def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
     ow = (iw + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
     if pt or pl or pb or pr:
         data = topi.nn.pad(data, (0, 0, pt, pl, 0), (0, 0, pb, pr, 0), name="data_pad")
+    return data, oh, ow, (sh, sw), (dh, dw)
+
+
+def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
+    """Packed conv: data [N, IC//ib, H, W, ib], kernel [OC//ob, IC//ib, KH, KW, ib, ob]
+    -> [N, OC//ob, OH, OW, ob]; reduction over (ic_chunk, kh, kw, ic_block)."""
+
+    n, icc, _, _, ib = (int(x) for x in data.shape)
+    occ, _, kh, kw, _, ob = (int(x) for x in kernel.shape)
+    data, oh, ow, (sh, sw), (dh, dw) = _padded_geometry(data, kh, kw, strides, padding, dilation)
     ric = te.reduce_axis((0, icc), name="ic_chunk")
     rkh = te.reduce_axis((0, kh), name="kh")
     rkw = te.reduce_axis((0, kw), name="kw")
@@ -105,15 +112,9 @@ def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
 def _te_depthwise_nchwc(data, kernel, strides, padding, dilation, out_dtype):
     """Packed depthwise conv: data [N, C//cb, H, W, cb], kernel [C//cb, 1, KH, KW, cb]."""
 
-    n, cc, ih, iw, cb = (int(x) for x in data.shape)
+    n, cc, _, _, cb = (int(x) for x in data.shape)
     _, _, kh, kw, _ = (int(x) for x in kernel.shape)
-    sh, sw = (int(s) for s in strides)
-    dh, dw = (int(d) for d in dilation)
-    pt, pl, pb, pr = (int(p) for p in padding)
-    oh = (ih + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
-    ow = (iw + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
-    if pt or pl or pb or pr:
-        data = topi.nn.pad(data, (0, 0, pt, pl, 0), (0, 0, pb, pr, 0), name="data_pad")
+    data, oh, ow, (sh, sw), (dh, dw) = _padded_geometry(data, kh, kw, strides, padding, dilation)
     rkh = te.reduce_axis((0, kh), name="kh")
     rkw = te.reduce_axis((0, kw), name="kw")
     return te.compute(
