@@ -200,11 +200,12 @@ def cmd_tune(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import tune
-    from .target import make_target
 
     con = _console()
+    # MetaSchedule's own tuning runner settings, on the fleet's devices with --rpc-tracker
+    runner = _runner_spec(args, cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
-    target = make_target(args.target)
+    target = _make_target(args, runner)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
     why = util.writable_dir(args.out)
     if why:
@@ -230,7 +231,8 @@ def cmd_tune(args) -> int:
         prog = tune.tune(model.mod, args.out, trials_per_task=args.trials_per_task,
                          budget_minutes=args.budget_minutes, target=target, model_name=name,
                          injective_trials=args.injective_trials, seed=args.seed,
-                         on_progress=on_progress, only=args.only)
+                         on_progress=on_progress, only=args.only,
+                         runner=runner if runner.kind == "rpc" else None)
     complete = prog.trials_done >= prog.trials_total
     if complete and args.measure_model:
         _measure_tuned_model(model, target, args.out, con)
@@ -339,17 +341,36 @@ def cmd_donors(args) -> int:
     return 0
 
 
-def _runner_spec(args):
-    """The runner the flags ask for; a remote one is checked at once (tracker up, device there)."""
+def _runner_spec(args, **kw):
+    """The runner the flags ask for; a remote one is checked at once (tracker up, a device
+    there within --device-wait, one CPU under the key)."""
     from .measure import RunnerSpec
 
     if getattr(args, "rpc_tracker", None):
         if not args.device_key:
             raise TTRankError("--rpc-tracker needs --device-key KEY")
-        spec = RunnerSpec.from_tracker(args.rpc_tracker, args.device_key)
+        spec = RunnerSpec.from_tracker(args.rpc_tracker, args.device_key,
+                                       device_wait_s=args.device_wait, **kw)
         spec.check()
         return spec
-    return RunnerSpec()
+    return RunnerSpec(**kw)
+
+
+def _make_target(args, runner):
+    """--target, else over RPC what the devices report (their CPU, not the host's)."""
+    from .target import make_target
+
+    if args.target is None and runner.kind == "rpc":
+        return make_target(runner.target())
+    return make_target(args.target)
+
+
+def _add_rpc_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpc-tracker", metavar="HOST:PORT",
+                   help="measure on every device under --device-key at this TVM RPC tracker, at once")
+    p.add_argument("--device-key", help="the devices' key at the tracker (one kind of device)")
+    p.add_argument("--device-wait", type=float, default=30.0, metavar="S",
+                   help="how long to wait for a device under the key to register (default 30)")
 
 
 def _check_output_space(model, library: Path, *more_folders: Path) -> None:
@@ -386,12 +407,12 @@ def cmd_recommend(args) -> int:
     from . import engine
     from .donors import DonorStore
     from .ranker import Ranker
-    from .target import machine_busy, make_target
+    from .target import machine_busy
 
     con = _console()
     runner = _runner_spec(args)  # a tracker that is down says so before any work
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
-    target = make_target(args.target)
+    target = _make_target(args, runner)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
     store = DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
@@ -554,17 +575,17 @@ def cmd_collect(args) -> int:
     from . import collect as coll
     from .donors import DonorStore
     from .evaluate import PAPER_PAIRING
-    from .measure import Measurer, RunnerSpec
-    from .target import make_target
+    from .measure import Measurer
 
     con = _console()
-    target = make_target(args.target)
+    runner = _runner_spec(args, repeat=max(1, args.repeat // args.rounds), rounds=args.rounds)
+    target = _make_target(args, runner)
     store = DonorStore.load(args.donors or None, target=target)
-    measurer = Measurer(target, RunnerSpec(repeat=max(1, args.repeat // args.rounds), rounds=args.rounds))
+    measurer = Measurer(target, runner)
     from .target import machine_busy
 
     busy = machine_busy()
-    if busy:  # these latencies become training labels: say so, the rows record the load too
+    if busy and runner.kind == "local":  # these latencies become training labels: say so, the rows record the load too
         con.print(f"[yellow]warning: {busy}; measurements taken now will be noisy[/yellow]")
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
     try:
@@ -659,6 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--measure-model", action="store_true",
                    help="when tuning completes, time the whole model untuned/tuned/onnxruntime")
+    _add_rpc_args(t)
     t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("donors", help="the donor schedule store")
@@ -696,8 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds (all kernels together) for tuning with MetaSchedule the kernels that "
                         "no transferred schedule covers, split by their share of the model time; "
                         "0 turns it off (default: 120)")
-    r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on a device behind a TVM RPC tracker")
-    r.add_argument("--device-key", help="the device's key at the tracker")
+    _add_rpc_args(r)
     r.add_argument("--data-dir", help="where measurements accumulate (default: ~/.cache/ttrank/data)")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=cmd_recommend)
@@ -732,6 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")
     co.add_argument("--quiet", action="store_true")
+    _add_rpc_args(co)
     co.set_defaults(func=cmd_collect)
     return p
 

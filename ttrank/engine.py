@@ -400,7 +400,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     ranker = ranker if ranker is not None else Ranker.load()
     # the ranker's own choice: the k its leave-one-network-out evaluation found worth measuring
     top_k = top_k or int(ranker.metadata.get("top_k") or 3)
-    prov = compact_provenance(provenance(target))
+    runner = runner or RunnerSpec()
+    # the measuring machine's CPU: over RPC, what the devices report, never the host's
+    prov = compact_provenance(runner.provenance(target))
     tkey = target_key(target)
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
     table = data_dir / "measurements" / f"{model.name}.jsonl"
@@ -434,7 +436,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     # candidates of all kernels go through the builder together, in chunks, so both build
     # workers stay busy; each chunk's rows are appended before the next starts (Ctrl-C keeps them).
     t0 = time.time()
-    measurer = Measurer(target, runner or RunnerSpec())
+    measurer = Measurer(target, runner)
     baseline = measurer.baseline()
     chosen: dict[str, object] = {}
     picked_of: dict[str, list] = {}
@@ -495,14 +497,19 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
         # every kernel's first candidate before any kernel's second; big shares of the model first
         todo.sort(key=lambda x: (x[2], -shares[x[0].name]))
         chunk = MEASURE_CHUNK
-        unmeasured = 0
-        for s in range(0, len(todo), chunk):
-            if measure_budget_s is not None and s > 0 and time.time() - t0 > measure_budget_s:
-                unmeasured = len(todo) - s
-                break
-            part = [(k, t) for k, t, _ in todo[s:s + chunk]]
-            results = measurer.measure([t.mod for _, t in part],
-                                       references=[(k.mod, k.workload_hash) for k, _ in part])
+        parts: list[list] = []  # chunks handed to the measurer, not yet measured
+        measured = 0
+
+        def chunks():
+            for s in range(0, len(todo), chunk):
+                parts.append([(k, t) for k, t, _ in todo[s:s + chunk]])
+                yield [t.mod for _, t in parts[-1]], [(k.mod, k.workload_hash) for k, _ in parts[-1]]
+
+        # each chunk builds while the one before it runs; the budget is checked before each runs
+        over = (None if measure_budget_s is None else lambda: time.time() - t0 > measure_budget_s)
+        for results in measurer.measure_stream(chunks(), stop=over):
+            part = parts.pop(0)
+            measured += len(part)
             rows = []
             for (k, t), m in zip(part, results):
                 r = {"network": model.name, "kernel": k.name, "workload": k.workload_hash,
@@ -514,10 +521,13 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
                      "untuned_s": reports[k.name].untuned_s, "method": t.method, "adapt": t.adapt,
                      "tile_changes": len(t.tile_changes), "score": t.score, "cost_score": t.cost_score,
                      "provenance": prov, "target_key": tkey}
+                if m.devices:  # a fleet: which devices ran it
+                    r["devices"] = m.devices
                 rows.append(r)
                 fresh[id(t)] = r
             append_jsonl(table, rows)
-            progress("measuring", min(s + chunk, len(todo)), len(todo), part[-1][0].name)
+            progress("measuring", measured, len(todo), part[-1][0].name)
+        unmeasured = len(todo) - measured
 
         for k in kernels:
             rep = reports[k.name]

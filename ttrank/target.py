@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -94,6 +95,8 @@ def parse_target(spec: str | dict | None) -> dict[str, Any]:
     if os.path.exists(spec):
         with open(spec) as f:
             text = f.read()
+    if re.fullmatch(r"[a-z_]+(\s+-[\w-]+=\S+)*\s*", text.strip()):
+        return target_from_string(text)
     try:
         d = json.loads(text)
     except json.JSONDecodeError:
@@ -103,6 +106,22 @@ def parse_target(spec: str | dict | None) -> dict[str, Any]:
             f"got {spec!r}") from None
     if not isinstance(d, dict) or "kind" not in d:
         raise TTRankError("--target JSON must be an object with at least a \"kind\" key")
+    return d
+
+
+def target_from_string(text: str) -> dict[str, Any]:
+    """A target dict from TVM's command-line form, e.g. ``llvm -mtriple=aarch64-linux-gnu
+    -mattr=+neon``: TVM 0.27's Target no longer parses that form itself."""
+    kind, *opts = text.split()
+    d: dict[str, Any] = {"kind": kind}
+    for opt in opts:
+        key, _, value = opt.lstrip("-").partition("=")
+        if key in ("mattr", "libs", "keys"):
+            d[key] = value.split(",")
+        elif value.isdigit():
+            d[key] = int(value)
+        else:
+            d[key] = value
     return d
 
 
