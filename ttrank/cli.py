@@ -50,7 +50,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
                    help="bind an input's dims (repeatable), e.g. input:1,3,224,224")
     p.add_argument("--target", default=None,
-                   help="TVM target as a JSON dict (default: detected from this host)")
+                   help="TVM target as a JSON dict or in TVM's command-line form, e.g. 'llvm "
+                        "-mtriple=aarch64-linux-gnu -mattr=+neon' (default: this host, or with "
+                        "--rpc-tracker what the devices report)")
     p.add_argument("--fast-math", action="store_true",
                    help="vectorisable approximations of exp/sigmoid/erf/tanh/GELU (error ~1e-6; "
                         "much faster swish and GELU epilogues)")
@@ -357,12 +359,15 @@ def _runner_spec(args, **kw):
 
 
 def _make_target(args, runner):
-    """--target, else over RPC what the devices report (their CPU, not the host's)."""
-    from .target import make_target
+    """--target, else over RPC what the devices report (their CPU, not the host's); another
+    architecture's linker is checked for now, not after the first batch."""
+    from .target import cross_compiler, make_target
 
-    if args.target is None and runner.kind == "rpc":
-        return make_target(runner.target())
-    return make_target(args.target)
+    target = make_target(runner.target() if args.target is None and runner.kind == "rpc" else args.target)
+    if cross_compiler(target) is not None and runner.kind == "local":
+        raise TTRankError(f"the target is {target.attrs['mtriple']}, which this host cannot run: "
+                          "measure on such a device with --rpc-tracker HOST:PORT --device-key KEY")
+    return target
 
 
 def _add_rpc_args(p: argparse.ArgumentParser) -> None:
@@ -749,7 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "over (default 5). On a shared machine a parallel kernel runs 2x slow for "
                          "stretches of seconds; back-to-back repeats of one candidate can all land "
                          "in one (bench/results/measure_noise.json)")
-    co.add_argument("--target", default=None)
+    co.add_argument("--target", default=None,
+                    help="TVM target (JSON or command-line form; default: this host, or with "
+                         "--rpc-tracker what the devices report)")
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")
     co.add_argument("--quiet", action="store_true")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ from .coverage import plan_missing
 from .donors import user_donor_dir
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
+from .target import cross_compiler, is_foreign
 from .tune import tune
 from .util import commit_moves, file_lock, finish_moves, write_failure
 
@@ -47,8 +49,9 @@ def export(executable, path: str | Path) -> Path:
     return path
 
 
-def export_staged(executable, path: str | Path) -> Path:
-    """Export into a temp file beside ``path``, for the caller to rename into place."""
+def export_staged(executable, path: str | Path, target=None) -> Path:
+    """Export into a temp file beside ``path``, for the caller to rename into place (linked
+    by the cross compiler when ``target`` is another architecture)."""
     path = Path(path)
     kept = f"; the previous {path.name} is left as it was" if path.exists() else ""
     tmp = None
@@ -56,7 +59,7 @@ def export_staged(executable, path: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".so")
         os.close(fd)
-        executable.export_library(tmp)
+        executable.export_library(tmp, fcompile=cross_compiler(target))
     except Exception as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -596,7 +599,10 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
             with file_lock(work / "tune"):
                 run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                            budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                           only=[k.name], trials_per_iter=8)
+                           only=[k.name], trials_per_iter=8,
+                           # over RPC, tuned on the devices, with tune's own runner settings
+                           runner=(dataclasses.replace(runner, number=3, repeat=1, min_repeat_ms=50)
+                                   if runner.kind == "rpc" else None))
             extra_db = ms.database.JSONDatabase(work_dir=str(work))
             recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
             rep = reports[k.name]
@@ -627,9 +633,11 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
 
     # 7-8: compile, export, check
     ex = compile_model(model, target, database)
-    compiled = CompiledModel.from_executable(ex, model)
+    # another architecture: the host can neither load it, check it nor time it
+    foreign = is_foreign(target)
+    compiled = None if foreign else CompiledModel.from_executable(ex, model)
     max_err = None
-    if check:
+    if check and not foreign:
         res = check_against_onnxruntime(compiled, model)
         max_err = res.max_abs_error
         if not res.ok:
@@ -646,7 +654,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     moves = [(staged, db_dir)]
     try:
         if output:
-            moves.append((export_staged(ex, output), Path(output)))
+            moves.append((export_staged(ex, output, target), Path(output)))
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
@@ -655,7 +663,7 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     t_compile = time.time() - t0
 
     lat = {}
-    if time_model:
+    if time_model and not foreign:
         feed = model.random_inputs()
         lat["untuned_estimated_from_kernels"] = 1e3 * sum(
             r.weight * r.untuned_s for r in reports.values() if r.untuned_s)

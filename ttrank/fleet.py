@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from tvm.ir.utils import derived_object
-from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, PyRunner, PyRunnerFuture, RunnerInput, RunnerResult
+from tvm.s_tir.meta_schedule.runner import (
+    EvaluatorConfig,
+    PyRunner,
+    PyRunnerFuture,
+    RunnerFuture,
+    RunnerInput,
+    RunnerResult,
+)
 from tvm.support.popen_pool import PopenPoolExecutor
 
 from .errors import DeviceError
@@ -277,7 +284,7 @@ class FleetFuture(PyRunnerFuture):
             out = self.future.result()
         except Exception as e:  # noqa: BLE001 - a failed run is a result, not a crash
             msg = last_line(str(e)) or type(e).__name__
-            if not self.lost and DEVICE_LOST.search(msg):
+            if not self.lost and not self.runner.stopped and DEVICE_LOST.search(msg):
                 self.lost = msg  # retried once: the tracker no longer lists the dead device
                 self.future = self.runner.submit(self.args)
                 return False
@@ -298,6 +305,21 @@ class FleetFuture(PyRunnerFuture):
 
 
 @derived_object
+class _Failed(PyRunnerFuture):
+    """A run that could not start."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__()
+        self.msg = msg
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> RunnerResult:
+        return RunnerResult(None, self.msg)
+
+
+@derived_object
 class FleetRunner(PyRunner):
     """A MetaSchedule runner over every device under one tracker key, sized to the fleet."""
 
@@ -315,6 +337,7 @@ class FleetRunner(PyRunner):
         # artifact -> the device of each of its runs (futures that come back through TVM's FFI
         # are plain RunnerFutures, so this is where the caller looks)
         self.runs: dict[str, list[str]] = {}
+        self.stopped = False  # abandoned: lost runs are not retried
         self._lock = threading.Lock()
 
     def resize(self) -> int:
@@ -331,8 +354,13 @@ class FleetRunner(PyRunner):
         return self.pool.submit(run_on_device, self.tracker, self.session_timeout_s,
                                 self.evaluator_config, *args)
 
-    def run(self, runner_inputs: list[RunnerInput]) -> list[FleetFuture]:
-        self.resize()
+    def run(self, runner_inputs: list[RunnerInput]) -> list[RunnerFuture]:
+        try:
+            self.resize()
+        except DeviceError as e:
+            # raised through TVM's FFI it would lose its type: each run fails with the reason
+            # (ttrank's Measurer resizes first, and so raises it as it is)
+            return [_Failed(str(e)) for _ in runner_inputs]
         return [FleetFuture(self, (str(ri.artifact_path), str(ri.device_type),
                                    tuple(a.as_json() for a in ri.args_info)))
                 for ri in runner_inputs]
@@ -352,6 +380,10 @@ class FleetRunner(PyRunner):
     def peak(self) -> int:
         """The most devices that measured at the same moment."""
         return peak_concurrency([(s, e) for _, s, e in self.sessions])
+
+    def stop(self) -> None:
+        """Retry nothing more: the caller is abandoning this runner's runs."""
+        self.stopped = True
 
     def close(self) -> None:
         if self.pool is not None:

@@ -24,6 +24,7 @@ from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .errors import DeviceError
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, one_cpu, probe
+from .target import cross_compiler, host_triple
 
 log = logging.getLogger("ttrank")
 
@@ -51,14 +52,14 @@ def _build_export(mod, target, artifact_dir: str) -> str:
     if hang is not None:
         time.sleep(float(hang))
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return _export(tvm.compile(mod, target=target), artifact_dir)
+    return _export(tvm.compile(mod, target=target), artifact_dir, target)
 
 
-def _export(rt_mod, artifact_dir: str) -> str:
+def _export(rt_mod, artifact_dir: str, target=None) -> str:
     # one folder per artifact: MetaSchedule's RemoveBuildArtifact removes the artifact's folder
     os.makedirs(artifact_dir, exist_ok=True)
     path = os.path.join(tempfile.mkdtemp(dir=artifact_dir), "kernel.so")
-    rt_mod.export_library(path)
+    rt_mod.export_library(path, fcompile=cross_compiler(target))  # another architecture: its linker
     return path
 
 
@@ -143,7 +144,7 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
             wrong = _check_against(mod, ref_mod, ref_key, rtol, atol, built=rt)
             if wrong is not None:
                 return None, wrong
-            return _export(rt, artifact_dir), None
+            return _export(rt, artifact_dir, target), None
     wrong = _check_against(mod, ref_mod, ref_key, rtol, atol)
     if wrong is not None:
         return None, wrong
@@ -329,7 +330,7 @@ class RunnerSpec:
         t: dict[str, Any] = {"kind": "llvm", "mcpu": info["mcpu"]}
         if info.get("threads"):
             t["num-cores"] = info["threads"]
-        if info.get("triple") and info["triple"].split("-")[0] != _host_triple().split("-")[0]:
+        if info.get("triple") and info["triple"].split("-")[0] != host_triple().split("-")[0]:
             t["mtriple"] = info["triple"]  # another architecture: cross-compile
         return t
 
@@ -351,12 +352,6 @@ class RunnerSpec:
                 "cores": info.get("threads"), "threads": info.get("threads"), "load_1m": None,
                 "device_key": self.device_key, "device_triple": info.get("triple"),
                 "devices": info.get("devices"), "tracker": f"{self.tracker_host}:{self.tracker_port}"}
-
-
-def _host_triple() -> str:
-    from tvm.target import codegen
-
-    return str(codegen.llvm_get_system_triple())
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,6 +432,9 @@ class Measurer:
             return
         # the waiting worker is killed; what it ran then fails at once, so every future ends
         # and nothing waits at exit
+        stop = getattr(runner, "stop", None)
+        if stop is not None:  # a fleet: no retry of what is cut off now
+            stop()
         pool = getattr(runner, "pool", None)
         for worker in list(getattr(pool, "_worker_map", {}).values()):
             proc = getattr(worker, "_proc", None)
@@ -444,8 +442,7 @@ class Measurer:
                 with contextlib.suppress(OSError):
                     proc.kill()
         deadline = time.time() + 30
-        while time.time() < deadline and not all(f.future.done() if hasattr(f, "future") else f.done()
-                                                  for f in futures):
+        while time.time() < deadline and not all(f.done() for f in futures):
             time.sleep(0.1)
 
     def measure(self, mods: list, reference=None, reference_key: str = "",
@@ -538,6 +535,14 @@ class Measurer:
             live = [j for j in order if idx[j] not in errors]
             if not live:
                 break
+            resize = getattr(self.runner, "resize", None)
+            if resize is not None:  # a fleet: devices that joined or left since the last batch
+                try:
+                    resize()
+                except DeviceError:
+                    if runs == 0 and rnd == 0:
+                        raise
+                    raise self._no_device_left(runs) from None
             futures = self.runner.run([inputs[j] for j in live])
             for j, fut in zip(live, futures):
                 try:

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import shutil
 from functools import lru_cache
 from typing import Any
 
@@ -123,6 +124,34 @@ def target_from_string(text: str) -> dict[str, Any]:
         else:
             d[key] = value
     return d
+
+
+def host_triple() -> str:
+    from tvm.target import codegen
+
+    return str(codegen.llvm_get_system_triple())
+
+
+def is_foreign(target) -> bool:
+    """Whether ``target`` is another architecture than the host's (cross-compiled, and the host
+    cannot run what is built for it)."""
+    triple = str(target.attrs.get("mtriple") or "") if target is not None else ""
+    return bool(triple) and triple.split("-")[0] != host_triple().split("-")[0]
+
+
+def cross_compiler(target):
+    """The compiler that links libraries for ``target`` (None: the host's own), from
+    ``TTRANK_CROSS_CC`` or ``<triple>-g++``; one clear error when it is not installed."""
+    from tvm.support import cc
+
+    if not is_foreign(target):
+        return None
+    triple = str(target.attrs["mtriple"])
+    compiler = os.environ.get("TTRANK_CROSS_CC") or f"{triple}-g++"
+    if shutil.which(compiler.split()[0]) is None:
+        raise TTRankError(f"the target is {triple}, another architecture than this host's: linking for it "
+                          f"needs a cross compiler, and {compiler} is not installed (set TTRANK_CROSS_CC)")
+    return cc.cross_compiler(compiler)
 
 
 def make_target(spec: str | dict | None = None):
