@@ -54,15 +54,13 @@ def run_once(network: str, servers: int, cores: list[str], max_per_kernel: int, 
             stats = collect(network, model, store, Path(work) / "out", target, m,
                             max_per_kernel=max_per_kernel)
             wall = time.time() - t0
-            runners = [x._runner for x in [m, *m._baselines] if x._runner is not None]
-            peak = max((r.peak() for r in runners), default=0)
-            sessions = sum(len(r.sessions) for r in runners)
+            usage = m.fleet_usage()
         finally:
             m.close()
         served = f.sessions_served()
     secs = dict(m.seconds)
     return {"servers": servers, "cores": cores[:servers], "measure_seconds": round(wall, 2),
-            "servers_used": peak, "runs": sessions, "sessions_per_server": served,
+            "servers_used": usage["servers_used"], "runs": usage["runs"], "sessions_per_server": served,
             "candidates": stats.measured, "valid": stats.valid,
             "build_seconds": round(secs["build"], 2), "build_wait_seconds": round(secs["build_wait"], 2),
             "run_seconds": round(secs["run"], 2),

@@ -102,3 +102,18 @@ def test_a_fleet_key_with_no_device_waits_then_one_line(tmp_path):
 def test_peak_concurrency():
     assert fleet.peak_concurrency([(0, 2), (1, 3), (2.5, 4)]) == 2
     assert fleet.peak_concurrency([]) == 0
+
+
+def test_a_device_that_joins_with_another_cpu_stops_the_fleet():
+    from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, RunnerInput
+
+    r = fleet.FleetRunner(fleet.Tracker("127.0.0.1", 1, "rpi"), EvaluatorConfig())
+    a72 = {"mcpu": "cortex-a72", "triple": "aarch64-linux-gnu", "threads": 4}
+    r.record("a/kernel.so", {"device": "10.0.0.1:9090", "info": a72, "start": 0.0, "end": 1.0})
+    r.record("b/kernel.so", {"device": "10.0.0.2:9090", "info": {**a72, "mcpu": "cortex-a53"},
+                             "start": 0.5, "end": 2.0})
+    assert "report different CPUs" in r.conflict and r.peak() == 2
+    assert r.runs_of("a/kernel.so") == ["10.0.0.1:9090"]
+    # through MetaSchedule (tune), each run then fails with the reason instead of running
+    (fut,) = r.run([RunnerInput("a/kernel.so", "cpu", [])])
+    assert "report different CPUs" in fut.result().error_msg

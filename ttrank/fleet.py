@@ -338,6 +338,7 @@ class FleetRunner(PyRunner):
         # are plain RunnerFutures, so this is where the caller looks)
         self.runs: dict[str, list[str]] = {}
         self.stopped = False  # abandoned: lost runs are not retried
+        self.conflict = ""  # the devices report different CPUs: nothing more runs
         self._lock = threading.Lock()
 
     def resize(self) -> int:
@@ -356,6 +357,8 @@ class FleetRunner(PyRunner):
 
     def run(self, runner_inputs: list[RunnerInput]) -> list[RunnerFuture]:
         try:
+            if self.conflict:
+                raise DeviceError(self.conflict)
             self.resize()
         except DeviceError as e:
             # raised through TVM's FFI it would lose its type: each run fails with the reason
@@ -372,7 +375,10 @@ class FleetRunner(PyRunner):
             self.runs.setdefault(artifact, []).append(out["device"])
             if out["device"] not in self.answers:
                 self.answers[out["device"]] = out["info"]
-                one_cpu(self.answers, self.tracker.key)
+                try:  # a device that joined later with another CPU
+                    one_cpu(self.answers, self.tracker.key)
+                except DeviceError as e:  # kept, not raised: this runs inside TVM's FFI calls
+                    self.conflict = str(e)
 
     def runs_of(self, artifact: str) -> list[str]:
         return self.runs.pop(artifact, [])

@@ -562,6 +562,9 @@ class Measurer:
                     errors[idx[j]] = r.error_msg
                 else:
                     secs[idx[j]] += [float(s) for s in r.run_secs]
+            conflict = getattr(self._runner, "conflict", "")
+            if conflict:  # a device that joined reports another CPU than the key's
+                raise DeviceError(conflict)
             rng.shuffle(order)
         runs_of = getattr(self._runner, "runs_of", None)
         if runs_of is not None:  # a fleet: which device ran each pass
@@ -592,6 +595,13 @@ class Measurer:
         m.seconds = self.seconds  # one account for both
         self._baselines.append(m)
         return m
+
+    def fleet_usage(self) -> dict[str, int]:
+        """Over RPC: the most devices that measured at once, and the runs, of this measurer
+        and its baselines (zeros when measuring locally)."""
+        runners = [m._runner for m in [self, *self._baselines] if hasattr(m._runner, "peak")]
+        return {"servers_used": max((r.peak() for r in runners), default=0),
+                "runs": sum(len(r.sessions) for r in runners)}
 
     def close(self) -> None:
         for m in [self, *self._baselines]:
