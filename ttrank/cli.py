@@ -590,7 +590,9 @@ def cmd_collect(args) -> int:
     from .target import machine_busy
 
     busy = machine_busy()
-    if busy and runner.kind == "local":  # these latencies become training labels: say so, the rows record the load too
+    # these latencies become training labels: say so, the rows record the load too (a fleet's
+    # devices are not this machine)
+    if busy and runner.kind == "local":
         con.print(f"[yellow]warning: {busy}; measurements taken now will be noisy[/yellow]")
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
     try:

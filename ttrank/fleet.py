@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -447,6 +448,7 @@ def local_fleet(devices: int, key: str = "ttrank-fleet", cores: list[str] | None
                 register_s: float = 120.0) -> Iterator[LocalFleet]:
     """Start a tracker and ``devices`` servers under ``key`` on 127.0.0.1 (free ports); server
     ``i`` runs under ``taskset -c cores[i]`` when given. Everything is killed afterwards."""
+    own_logs = log_dir is None  # removed afterwards; a given folder is the caller's to read
     logs = Path(log_dir or tempfile.mkdtemp(prefix="ttrank-fleet-"))
     logs.mkdir(parents=True, exist_ok=True)
     tport = free_port()
@@ -479,3 +481,5 @@ def local_fleet(devices: int, key: str = "ttrank-fleet", cores: list[str] | None
     finally:
         for p in reversed(fleet.procs):
             _kill_group(p)
+        if own_logs:
+            shutil.rmtree(logs, ignore_errors=True)
