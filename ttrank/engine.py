@@ -395,7 +395,9 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     from .util import append_jsonl, cache_dir
 
     t_start = time.time()
-    target = target if target is not None else make_target()
+    runner = runner or RunnerSpec()
+    # over RPC, by default the target the devices report (their CPU, not the host's)
+    target = target if target is not None else make_target(runner.target() if runner.kind == "rpc" else None)
     store = store if store is not None else DonorStore.load()
     if not store.workloads:
         raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
@@ -403,7 +405,6 @@ def recommend(model: LoadedModel, *, target=None, store=None, ranker=None, top_k
     ranker = ranker if ranker is not None else Ranker.load()
     # the ranker's own choice: the k its leave-one-network-out evaluation found worth measuring
     top_k = top_k or int(ranker.metadata.get("top_k") or 3)
-    runner = runner or RunnerSpec()
     # the measuring machine's CPU: over RPC, what the devices report, never the host's
     prov = compact_provenance(runner.provenance(target))
     tkey = target_key(target)
