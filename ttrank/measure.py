@@ -539,9 +539,7 @@ class Measurer:
             if resize is not None:  # a fleet: devices that joined or left since the last batch
                 try:
                     resize()
-                except DeviceError:
-                    if runs == 0 and rnd == 0:
-                        raise
+                except DeviceError:  # they were there when checked: they went away
                     raise self._no_device_left(runs) from None
             futures = self.runner.run([inputs[j] for j in live])
             for j, fut in zip(live, futures):
