@@ -2,8 +2,8 @@
 
     python train.py [--trees 300]
 
-Donors: datasets/donors/*; measurements: datasets/measurements/*.jsonl (and the user's own runs
-under ~/.cache/ttrank/data unless --shipped-only).
+Donors: datasets/donors/*; measurements: datasets/measurements/*.jsonl (with --no-shipped-only,
+also the user's own runs under ~/.cache/ttrank/data).
 """
 
 from __future__ import annotations
@@ -13,25 +13,26 @@ import json
 import sys
 
 from ttrank import training
-from ttrank.ranker import DEFAULT_MODEL
+from ttrank.collect import build_dataset
+from ttrank.donors import DonorStore, shipped_work_dirs
+from ttrank.errors import TTRankError
+from ttrank.locations import shipped_measurements, shipped_ranker
+from ttrank.ranker import Ranker
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trees", type=int, default=300)
-    ap.add_argument("--out", default=str(DEFAULT_MODEL))
-    ap.add_argument("--shipped-only", action="store_true", default=True,
-                    help="train on datasets/ only (the default for the shipped model)")
+    ap.add_argument("--out", default=None, help="default: models/ranker.json")
+    ap.add_argument("--shipped-only", action=argparse.BooleanOptionalAction, default=True,
+                    help="train on datasets/ only (the default for the shipped model); "
+                         "--no-shipped-only adds the user's own measurements")
     ap.add_argument("--skip-if-current", action="store_true",
                     help="exit 3 without training if the model was trained on exactly this data")
     args = ap.parse_args()
-    dirs = [training.DATASET_MEASUREMENTS] if args.shipped_only else None
-    from ttrank.collect import build_dataset
-    from ttrank.donors import DATASET_DONORS, DonorStore
-    from ttrank.errors import TTRankError
-    from ttrank.ranker import Ranker
-
-    store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
+    args.out = args.out or str(shipped_ranker())
+    dirs = [shipped_measurements(required=True)] if args.shipped_only else None
+    store = DonorStore.load(shipped_work_dirs())
     ds = build_dataset(dirs or training.default_measurement_dirs(), store)
     if args.skip_if_current:
         try:

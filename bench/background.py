@@ -22,18 +22,23 @@ Run one copy at a time (it refuses to start when another is running).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+import psutil
 
-from paper_table import LONG, LONG_TRIALS  # noqa: E402
-from recommend_bench import long_dir  # noqa: E402
-from tune_donors import ORDER  # noqa: E402
+from ttrank.bench import DONOR_ORDER as ORDER
+from ttrank.bench import LONG, LONG_TRIALS, long_dir
+from ttrank.target import host_mcpu
+from ttrank.util import read_jsonl
+from ttrank.workdir import read_manifest
+
+# this script's own checkout: the steps run in it, and it commits what they write
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(cmd: list[str], deadline: float) -> int:
@@ -64,11 +69,8 @@ def commit(message: str, enabled: bool, extra: list[str] | None = None) -> None:
 
 
 def donors_complete(names: list[str]) -> bool:
-    import json
-
     for n in names:
-        man = ROOT / "datasets" / "donors" / n / "tune_manifest.json"
-        m = json.loads(man.read_text()) if man.exists() else {}
+        m = read_manifest(ROOT / "datasets" / "donors" / n)
         if not (m.get("complete") and m.get("model_latency_ms")):
             return False
     return True
@@ -76,8 +78,6 @@ def donors_complete(names: list[str]) -> bool:
 
 def reports_current() -> bool:
     """bench/results/ranker_eval.json was computed from the data the shipped ranker learned."""
-    import json
-
     try:
         model = json.loads((ROOT / "models" / "ranker.meta.json").read_text())
         report = json.loads((ROOT / "bench" / "results" / "ranker_eval.json").read_text())
@@ -88,8 +88,6 @@ def reports_current() -> bool:
 
 def dataset_cpus() -> set[str]:
     """The CPUs (mcpu) the cross-measurement tables were collected on."""
-    from ttrank.util import read_jsonl
-
     return {(r.get("provenance") or {}).get("mcpu")
             for p in (ROOT / "datasets" / "measurements").glob("*.jsonl") for r in read_jsonl(p)} - {None}
 
@@ -116,8 +114,6 @@ def main() -> int:
                     help="collect cross-measurements on this CPU even when the tables were collected on "
                          "another one (hours; the collector keeps each CPU's rows apart)")
     args = ap.parse_args()
-    import psutil
-
     others = [p for p in psutil.process_iter(["pid", "cmdline"])
               if p.pid != psutil.Process().pid and "background.py" in " ".join(p.info["cmdline"] or [])
               and "python" in " ".join(p.info["cmdline"] or [])]
@@ -135,8 +131,6 @@ def main() -> int:
     if not donors_complete(ORDER):
         print("donors incomplete; later steps wait for them", flush=True)
         return 0
-    from ttrank.target import host_mcpu
-
     here, have = host_mcpu(), dataset_cpus()
     if "collect" in args.steps and have and here not in have and not args.collect_here:
         # a session on another CPU would start the whole collection over for that CPU; the open

@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _timed(builder):
@@ -88,7 +87,9 @@ def main() -> None:
     ap.add_argument("--skip-if-current", action="store_true",
                     help="do nothing if the result was measured with the runtime's thread count recorded")
     args = ap.parse_args()
-    path = ROOT / "bench" / "results" / "builder_speed.json"
+    from ttrank.bench import results_dir
+
+    path = results_dir() / "builder_speed.json"
     if args.skip_if_current and path.exists():
         old = json.loads(path.read_text())
         if old.get("runs") and all("threads" in r["provenance"] for r in old["runs"]):

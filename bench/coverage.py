@@ -17,18 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from ttrank.bench import results_dir, run_recommend
+from ttrank.coverage import report_summary
+from ttrank.donors import DonorStore
+from ttrank.target import provenance
+from ttrank.util import atomic_write_json
+from ttrank.zoo import FAMILY_NETWORKS
 
-from recommend_bench import RESULTS, run_recommend  # noqa: E402
-
-from ttrank.coverage import report_summary  # noqa: E402
-from ttrank.donors import DonorStore  # noqa: E402
-from ttrank.target import provenance  # noqa: E402
-from ttrank.util import atomic_write_json  # noqa: E402
-from ttrank.zoo import FAMILY_NETWORKS  # noqa: E402
-
-OUT = RESULTS / "coverage.json"
+OUT = results_dir() / "coverage.json"
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from ttrank import fleet
+from ttrank.bench import results_dir
 from ttrank.collect import collect
 from ttrank.donors import DonorStore
 from ttrank.frontend import load
@@ -32,8 +33,6 @@ from ttrank.measure import Measurer, RunnerSpec
 from ttrank.target import make_target, provenance
 from ttrank.util import atomic_write_json
 from ttrank.zoo import cached
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_once(network: str, servers: int, cores: list[str], max_per_kernel: int, repeat: int,
@@ -84,7 +83,7 @@ def main() -> int:
     ap.add_argument("--max-per-kernel", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet.json"))
+    ap.add_argument("--out", default=str(results_dir() / "fleet.json"))
     args = ap.parse_args()
 
     runs = {}

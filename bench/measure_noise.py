@@ -20,10 +20,16 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from ttrank.bench import paused_background, results_dir
+from ttrank.collect import sample_pairs
+from ttrank.donors import DonorStore
+from ttrank.kernels import extract
+from ttrank.measure import Measurer, RunnerSpec
+from ttrank.target import make_target, provenance
+from ttrank.transfer import transfer
+from ttrank.util import atomic_write_json
+from ttrank.zoo import load
 
 
 def main() -> int:
@@ -38,19 +44,9 @@ def main() -> int:
     ap.add_argument("--pause-background", action="store_true")
     args = ap.parse_args()
 
-    from recommend_bench import paused_background
-
-    import ttrank
-    from ttrank.collect import sample_pairs
-    from ttrank.donors import DonorStore
-    from ttrank.kernels import extract
-    from ttrank.measure import Measurer, RunnerSpec
-    from ttrank.target import make_target, provenance
-    from ttrank.transfer import transfer
-
     target = make_target(None)
     store = DonorStore.load(None, target=target)
-    model = ttrank.load(f"zoo:{args.network}")
+    model = load(f"zoo:{args.network}")
     kernels = sorted((k for k in extract(model.mod, target) if k.tunable),
                      key=lambda k: -k.weight * k.flops)[:args.kernels]
     protocols = {
@@ -103,10 +99,9 @@ def main() -> int:
                      "top1_score_cross": statistics.mean(r["top1_score_cross"] for r in rs),
                      "seconds": sum(r["seconds"] for r in rs)}
         print(name, json.dumps(out[name]))
-    from ttrank.util import atomic_write_json
 
     # one entry per (network, runtime threads): the protocols behave differently at 1 and 2
-    path = ROOT / "bench" / "results" / "measure_noise.json"
+    path = results_dir() / "measure_noise.json"
     runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
     out["runner"] = {"number": args.number, "min_repeat_ms": args.min_repeat_ms}
     label = f"{args.network}, {out['provenance'].get('threads')} thread(s)"

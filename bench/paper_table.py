@@ -35,41 +35,50 @@ import argparse
 import hashlib
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-RUNS = RESULTS / "paper_runs"
-sys.path.insert(0, str(ROOT / "bench"))
+from ttrank.bench import DONOR_ORDER as ORDER
+from ttrank.bench import LONG, LONG_TRIALS, long_dir, ranker_id, results_dir
+from ttrank.bench import metaschedule_dir as ms_dir
+from ttrank.convergence import TaskCurve, model_curve, read_log, remeasure, seconds_to_match
+from ttrank.donors import DonorStore, shipped_work_dirs
+from ttrank.frontend import load
+from ttrank.kernels import extract
+from ttrank.locations import data_home, shipped_measurements
+from ttrank.measure import Measurer
+from ttrank.measurements import UNTUNED
+from ttrank.ranker import Ranker
+from ttrank.ranking import Pick, SecondStage, rank_kernel, shortlist
+from ttrank.runtime import time_side_by_side, write_database
+from ttrank.target import make_target, provenance, runtime_threads
+from ttrank.training import ranker_without
+from ttrank.transfer import transfer
+from ttrank.util import atomic_write_json, atomic_write_text, read_jsonl
+from ttrank.workdir import open_database
+from ttrank.zoo import export
 
-from recommend_bench import long_dir, metaschedule_dir as ms_dir  # noqa: E402
-from tune_donors import ORDER  # noqa: E402
+ROOT = data_home()
+RESULTS = results_dir()
+RUNS = RESULTS / "paper_runs"
 
 KS = (1, 3, 5)
 TRANSFORMERS = ("bert", "mobilebert")
 METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 RANKS = tuple(f"rank{i}" for i in range(1, max(KS) + 1))
 MEASURED = (*RANKS, "sample_best", "paper")  # what one evaluation run measures per kernel
-# the networks whose max speedup must come from a long MetaSchedule run (the issue asks for
-# >= 200 trials per task on these); bench/background.py runs them
-LONG = ("resnet18", "mobilenetv2", "resnet50", "bert")
-LONG_TRIALS = 200
 RUN_VERSION = 2  # 2: ttrank's top-k ranked over the whole donor pool and measured in the run
 
 
 def inputs_hash(net: str) -> str:
     """Changes when the run's inputs grow (the measurement table or the MetaSchedule log), the
     runtime's thread count changes, or the shipped ranker (or its second stage) changes."""
-    from recommend_bench import ranker_id
-
-    from ttrank.target import runtime_threads
-
     h = hashlib.sha256(f"v{RUN_VERSION} threads={runtime_threads()} ranker={ranker_id()}".encode())
-    for p in (ROOT / "datasets" / "measurements" / f"{net}.jsonl", (ms_dir(net) or Path("/nonexistent")) / "trials.jsonl"):
+    for p in (shipped_measurements() / f"{net}.jsonl", (ms_dir(net) or Path("/nonexistent")) / "trials.jsonl"):
         h.update(str(p.stat().st_size if p.exists() else 0).encode())
     return h.hexdigest()[:12]
 
@@ -80,7 +89,7 @@ class Picks:
     donor pool of the other networks (as `recommend --leave-one-out` ranks them, second stage
     included), the fastest candidate of the collected sample, and the paper's choice."""
 
-    chosen: dict[str, dict[str, object]]  # workload -> label (MEASURED) -> transferred Candidate
+    chosen: dict[str, dict[str, Pick]]  # workload -> label (MEASURED) -> the pick, transferred
     pool: dict[str, int]  # workload -> compatible donor schedules (what exhaustive would measure)
     paper_measured: dict[str, int]  # workload -> the paper's candidates (all measured)
     ranking_seconds: float  # ranking + second stage + transferring the top 5, every kernel
@@ -89,35 +98,21 @@ class Picks:
 def choose(net: str, kernels: list, store, ranker, target) -> Picks:
     """ttrank's picks with ``ranker`` (which never saw ``net``), and the collected sample's and
     the paper's fastest, transferred onto ``net``'s kernels."""
-    from ttrank.collect import UNTUNED
-    from ttrank.engine import rank_kernel, rerank_kernel, second_stage
-    from ttrank.transfer import transfer
-    from ttrank.util import read_jsonl
-
-    stage = second_stage(ranker, store, target, {net})  # a leave-one-out fit: not search time
+    stage = SecondStage.of(ranker, store, target, {net})  # a leave-one-out fit: not search time
     t0 = time.time()
     out = Picks({}, {}, {}, 0.0)
     for k in kernels:
         cands = rank_kernel(k, store, ranker, {net})
         out.pool[k.workload_hash] = len(cands)
-        pre: dict = {}
-        if stage:
-            cands, pre = rerank_kernel(k, cands, stage, target)
         got = out.chosen.setdefault(k.workload_hash, {})
-        for c in cands:  # as recommend: in rank order until k transfers apply
-            if len(got) == len(RANKS):
-                break
-            t = pre.get(c.record.id)
-            if t is None:
-                t = transfer(c.record, k, c.donor, target)
-                t.score = c.score
-            if t.ok:
-                got[RANKS[len(got)]] = t
+        # as recommend: in rank order until k transfers apply
+        for label, pick in zip(RANKS, shortlist(k, cands, len(RANKS), target, stage)):
+            got[label] = pick
     out.ranking_seconds = time.time() - t0
 
     rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
     best: dict[tuple[str, str], dict] = {}
-    for r in read_jsonl(ROOT / "datasets" / "measurements" / f"{net}.jsonl"):
+    for r in read_jsonl(shipped_measurements() / f"{net}.jsonl"):
         if r["record"] == UNTUNED or r["record"] not in rec_of:
             continue
         label = "paper" if r.get("pool") == "paper" else "sample_best"
@@ -133,32 +128,26 @@ def choose(net: str, kernels: list, store, ranker, target) -> Picks:
             w, rec = rec_of[r["record"]]
             t = transfer(rec, by_hash[wh], w, target, adapt=r.get("adapt") or "ttrank")
             if t.ok:
-                out.chosen.setdefault(wh, {})[label] = t
+                out.chosen.setdefault(wh, {})[label] = Pick(None, t)
     return out
+
+
+def _chosen_json(pick: Pick) -> dict:
+    t, c = pick.transferred, pick.candidate
+    return {"donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name, "record": t.record.id,
+            "score": c.score if c else None, "cost_score": c.cost_score if c else None}
 
 
 def evaluation_run(net: str, store, shipped) -> dict:
     """Everything measured for ``net`` in one run (see the module docstring)."""
-    import tempfile
-
-    from ttrank.convergence import read_log, remeasure
-    from ttrank.donors import open_database
-    from ttrank.engine import time_side_by_side, write_database
-    from ttrank.frontend import load
-    from ttrank.kernels import extract
-    from ttrank.measure import Measurer
-    from ttrank.target import make_target, provenance
-    from ttrank.training import DATASET_MEASUREMENTS, ranker_without
-    from ttrank.zoo import export
-
     target = make_target()
     log = read_log(ms_dir(net))
-    ranker = ranker_without(net, shipped, store, [DATASET_MEASUREMENTS])
+    ranker = ranker_without(net, shipped, store, [shipped_measurements()])
     with tempfile.TemporaryDirectory() as tmp:
         model = load(export(net, Path(tmp) / f"{net}.onnx"))
         kernels = extract(model.mod, target)  # injective kernels too, as recommend
         picks = choose(net, kernels, store, ranker, target)
-        others = {label: {wh: got[label].mod for wh, got in picks.chosen.items() if label in got}
+        others = {label: {wh: got[label].transferred.mod for wh, got in picks.chosen.items() if label in got}
                   for label in MEASURED}
         measurer = Measurer(target)
         t0 = time.time()
@@ -180,7 +169,7 @@ def evaluation_run(net: str, store, shipped) -> dict:
             lat = [(sbs.others.get(r, {}).get(name_of.get(k.workload_hash)), got[r]) for r in RANKS[:3] if r in got]
             lat = [(x, c) for x, c in lat if x is not None]
             if lat:
-                top3[k.name] = min(lat, key=lambda xc: xc[0])[1]
+                top3[k.name] = min(lat, key=lambda xc: xc[0])[1].transferred
         db3 = write_database(Path(tmp) / "top3", kernels, top3, target)
         t1 = time.time()
         whole = time_side_by_side(model, target, {"ttrank_top3": db3,
@@ -201,10 +190,7 @@ def evaluation_run(net: str, store, shipped) -> dict:
             "pool": {name_of[wh]: n for wh, n in picks.pool.items() if wh in name_of},
             "paper_measured": {name_of[wh]: n for wh, n in picks.paper_measured.items() if wh in name_of},
             "ranker": {"left_out": net, "stage2": (shipped.metadata.get("stage2") or {}).get("enabled", False)},
-            "chosen": {label: {name_of[wh]: {"donor_network": got[label].donor.network,
-                                             "donor_kernel": got[label].donor.kernel.name,
-                                             "record": got[label].record.id,
-                                             "score": got[label].score, "cost_score": got[label].cost_score}
+            "chosen": {label: {name_of[wh]: _chosen_json(got[label])
                                for wh, got in picks.chosen.items() if label in got and wh in name_of}
                        for label in MEASURED},
             "provenance": provenance(target)}
@@ -215,8 +201,6 @@ def evaluation_run(net: str, store, shipped) -> dict:
 
 
 def row_of(run: dict) -> dict:
-    from ttrank.convergence import TaskCurve, model_curve, seconds_to_match
-
     w = run["weights"]
     m = json.loads(json.dumps(run["measured"]))
     untuned = {n: m["untuned"].get(n) or 0.0 for n in w}
@@ -372,9 +356,6 @@ def product_rows(nets: list[str]) -> dict:
 
 
 def write_outputs(table: dict) -> None:
-    from ttrank.target import provenance
-    from ttrank.util import atomic_write_json, atomic_write_text
-
     table = {**table, "provenance": provenance(), "how": "python bench/paper_table.py [--measure]",
              "definitions": {
                  "latency_ms": "sum over kernels of weight x kernel latency, all measured in one run per network",
@@ -511,19 +492,14 @@ def main() -> int:
     ap.add_argument("--networks", nargs="+", default=ORDER)
     args = ap.parse_args()
     if args.measure:
-        from ttrank.donors import DATASET_DONORS, DonorStore
-        from ttrank.ranker import Ranker
-        from ttrank.training import DATASET_MEASUREMENTS
-        from ttrank.util import atomic_write_json
-
         deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
-        store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
+        store = DonorStore.load(shipped_work_dirs())
         shipped = Ranker.load()
         for net in args.networks:
             p = RUNS / f"{net}.json"
             if p.exists() and json.loads(p.read_text()).get("inputs") == inputs_hash(net):
                 continue
-            if not (DATASET_MEASUREMENTS / f"{net}.jsonl").exists() or ms_dir(net) is None:
+            if not (shipped_measurements() / f"{net}.jsonl").exists() or ms_dir(net) is None:
                 print(f"{net}: skipped (needs its cross-measurements and its tuning log)")
                 continue
             if net in LONG and ms_dir(net) != long_dir(net):

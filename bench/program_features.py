@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
@@ -36,18 +35,19 @@ def main() -> int:
     args = ap.parse_args()
 
     from ttrank.collect import Dataset, build_dataset
-    from ttrank.donors import DATASET_DONORS, DonorStore
-    from ttrank.evaluate import KEYS, _groups, evaluate, leave_one_network_out
+    from ttrank.donors import DonorStore, shipped_work_dirs
+    from ttrank.locations import shipped_measurements
+    from ttrank.evaluate import KEYS, group_spans, evaluate, leave_one_network_out
     from ttrank.features import FEATURE_NAMES, group_columns
     from ttrank.ranker import Ranker
     from ttrank.target import make_target, provenance
-    from ttrank.training import DATASET_MEASUREMENTS
     from ttrank.programs import N_PSF, candidate_vectors
     from ttrank.util import atomic_write_json
+    from ttrank.bench import results_dir
 
     target = make_target(None)
-    store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()), target=target)
-    ds = build_dataset([Path(args.measurements) if args.measurements else DATASET_MEASUREMENTS], store)
+    store = DonorStore.load(shipped_work_dirs(), target=target)
+    ds = build_dataset([Path(args.measurements) if args.measurements else shipped_measurements(required=True)], store)
     if len(ds.networks) < 2:
         print("need measurements of at least two networks")
         return 1
@@ -96,7 +96,7 @@ def main() -> int:
         record(name, all_runs[name])
     # what recommend could afford: extract "m" only for a shortlist of the base ranker's top-N
     # and reorder that shortlist with the ranker that has "m"
-    spans = _groups(full)
+    spans = group_spans(full)
     for n_short in args.shortlist:
         runs = []
         for base, wide in zip(all_runs["ttrank [tdsr]"], all_runs["ttrank [tdsr] + m"]):
@@ -115,7 +115,7 @@ def main() -> int:
             runs.append({"networks": per_net,
                          "average": {k: float(np.mean([v[k] for v in per_net.values()])) for k in KEYS}})
         record(f"two-stage, shortlist {n_short}", runs)
-    atomic_write_json(ROOT / "bench" / "results" / "program_features.json", {
+    atomic_write_json(results_dir() / "program_features.json", {
         "rows": len(ds.y), "groups": len(ds.groups), "networks": ds.networks,
         "objective": "reg:squarederror", "trees": args.trees, "seeds": args.seeds,
         "measurements": str(args.measurements or "datasets/measurements"),

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("top1", "top3", "top5", "ndcg5", "within5")
 
 
@@ -26,26 +25,31 @@ def main() -> None:
                     help="skip the second stage (program cost model): no transfers, much faster")
     ap.add_argument("--objective", default=None,
                     help="default: every objective, the best by leave-one-out (mean of top-1 and top-3)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
-                    help="where the report goes (a scratch dir for a look at partial data)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where the report goes (default: bench/results; a scratch dir for a look at "
+                         "partial data)")
     args = ap.parse_args()
 
     from ttrank.collect import build_dataset
-    from ttrank.donors import DATASET_DONORS, DonorStore
-    from ttrank.evaluate import KS, _groups, baseline_scores, choose_top_k, evaluate
+    from ttrank.donors import DonorStore, shipped_work_dirs
+    from ttrank.locations import shipped_measurements
+    from ttrank.evaluate import KS, group_spans, baseline_scores, choose_top_k, evaluate
     from ttrank.ranker import OBJECTIVES
     from ttrank.target import provenance
-    from ttrank.training import DATASET_MEASUREMENTS, candidate_configs, config_label, data_hash, select_config
+    from ttrank.training import candidate_configs, config_label, data_hash, select_config
+    from ttrank.bench import results_dir
     from ttrank.util import atomic_write_json, atomic_write_text
 
-    store = DonorStore.load(sorted(p for p in DATASET_DONORS.iterdir() if p.is_dir()))
-    ds = build_dataset([DATASET_MEASUREMENTS], store)
+    args.out = args.out or results_dir()
+
+    store = DonorStore.load(shipped_work_dirs())
+    ds = build_dataset([shipped_measurements(required=True)], store)
     objectives = (args.objective,) if args.objective else OBJECTIVES
     cfg, runs = select_config(ds, candidate_configs(objectives), args.trees)
     best = config_label(cfg)
     res = runs[best]
     nets = sorted(res["networks"])
-    spans = {net: [a for a, _ in _groups(ds) if ds.meta[a]["network"] == net] for net in nets}
+    spans = {net: [a for a, _ in group_spans(ds) if ds.meta[a]["network"] == net] for net in nets}
 
     def per_net_all(scores) -> dict:
         """networks and average over every metric key (the top-k curve too)"""
@@ -70,7 +74,7 @@ def main() -> None:
         stage2 = choose_stage2(ds, res["scores"], cost)
         alone = per_net_all(res["scores"])
         if stage2["enabled"]:
-            scores = rerank_spans(_groups(ds), res["scores"], cost, stage2["weight"], stage2["shortlist"])
+            scores = rerank_spans(group_spans(ds), res["scores"], cost, stage2["weight"], stage2["shortlist"])
             res = {**per_net_all(scores), "scores": scores}
 
     baselines, baseline_nets = {}, {}
@@ -84,14 +88,14 @@ def main() -> None:
     baseline_nets["nearest_shape"], baselines["nearest_shape"] = per_net(baseline_scores(ds, "nearest_shape"))
     # the paper: one hand-picked donor network, its exact-class schedules with tiles as they are,
     # all measured (the collector's "paper" rows); the score uses the same best-of-pool as ttrank's
-    paper_best = paper_latencies(DATASET_MEASUREMENTS)
+    paper_best = paper_latencies(shipped_measurements(required=True))
     pn: dict[str, dict | None] = {}
     for net in nets:
         if not any(n == net for n, _ in paper_best):
             pn[net] = None  # the paired donor is not tuned (yet): no paper rows at all
             continue
         ok = []
-        for a, b in _groups(ds):
+        for a, b in group_spans(ds):
             if a not in spans[net]:
                 continue
             lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]

@@ -18,94 +18,30 @@ among kernels; the as-run figure is kept beside it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from tvm.s_tir import meta_schedule as ms
 
-
-WATCHDOG = """
-import os, signal, sys, time
-parent, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
-while True:
-    try:
-        os.kill(parent, 0)
-    except OSError:
-        break
-    time.sleep(1)
-for p in pids:
-    try:
-        os.kill(p, signal.SIGCONT)
-    except OSError:
-        pass
-"""
-
-
-@contextlib.contextmanager
-def paused_background(enabled: bool):
-    """SIGSTOP other ttrank tune/collect processes (and their workers) for a clean measurement."""
-    import psutil
-
-    stopped = []
-    if enabled:
-        me = os.getpid()
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if p.info["pid"] != me and ("ttrank tune" in cmd or "ttrank collect" in cmd
-                                        or "tune_donors.py" in cmd or "background.py" in cmd):
-                for q in [p] + p.children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        q.send_signal(signal.SIGSTOP)
-                        stopped.append(q)
-        if stopped:
-            print(f"paused {len(stopped)} background processes", flush=True)
-            # a dead-man switch: should this process die hard, the paused ones still resume
-            subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()),
-                              *[str(q.pid) for q in stopped]], start_new_session=True)
-            time.sleep(2)
-    try:
-        yield len(stopped)
-    finally:
-        for q in stopped:
-            with contextlib.suppress(Exception):
-                q.send_signal(signal.SIGCONT)
-
-
-def long_dir(net: str) -> Path:
-    """Where ``net``'s long MetaSchedule run lives (>= 200 trials per task, one runtime thread per
-    core, from scratch), beside its 64-trial donor run in datasets/donors/."""
-    return ROOT / "datasets" / "metaschedule_long" / net
-
-
-def metaschedule_dir(net: str) -> Path | None:
-    """The longest finished MetaSchedule run for ``net``."""
-    from ttrank.convergence import finished_run
-
-    return finished_run(long_dir(net), ROOT / "datasets" / "donors" / net)
+from ttrank.bench import metaschedule_dir, paused_background, ranker_id, results_dir, run_recommend
+from ttrank.convergence import database_schedules, read_log, remeasure, remeasured_curves, seconds_to_match
+from ttrank.donors import DonorStore
+from ttrank.frontend import load
+from ttrank.locations import data_home
+from ttrank.measure import Measurer
+from ttrank.pipeline import MEASURE_SECONDS
+from ttrank.runtime import time_side_by_side
+from ttrank.target import make_target, provenance, runtime_threads
+from ttrank.util import atomic_write_json
+from ttrank.workdir import open_database
+from ttrank.zoo import export
 
 
 def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
     """Re-measure, in one run, the untuned kernels, every step of MetaSchedule's curve and
     ttrank's chosen schedules; then time the whole model built each way."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from ttrank.convergence import database_schedules, read_log, remeasure, remeasured_curves, \
-        seconds_to_match
-    from ttrank.donors import open_database
-    from ttrank.engine import time_side_by_side
-    from ttrank.frontend import load
-    from ttrank.measure import Measurer
-    from ttrank.target import make_target
-    from ttrank.zoo import export
-
     d = metaschedule_dir(net)
     if d is None:
         return {"error": f"no finished MetaSchedule tuning log for {net} yet "
@@ -130,7 +66,7 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
     w = log.weights
     goal = sbs.kernel_sum(w, "ttrank")
     untuned = {n: sbs.untuned[n] or 0.0 for n in w}
-    return {"log": str(d.relative_to(ROOT)), "trials": log.manifest.get("trials_done"),
+    return {"log": str(d.relative_to(data_home())), "trials": log.manifest.get("trials_done"),
             "trials_per_task": log.manifest.get("trials_per_task"),
             "search_seconds": log.manifest.get("search_seconds"),
             "kernel_sum_ms": {"untuned": 1e3 * sum(w[n] * untuned[n] for n in w),
@@ -144,60 +80,6 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
                         for n in w}}
 
 
-def ranker_id() -> str:
-    """The shipped ranker (and its second stage, if enabled) in a few characters: a result
-    measured with another one is not current."""
-    from ttrank.programs import DEFAULT_COST_MODEL
-    from ttrank.ranker import DEFAULT_MODEL, meta_path
-
-    meta = json.loads(meta_path(DEFAULT_MODEL).read_text())
-    out = meta["model_sha256"][:12]
-    st = meta.get("stage2") or {}
-    if st.get("enabled"):
-        cm = json.loads(meta_path(DEFAULT_COST_MODEL).read_text())
-        out += f"+{cm['model_sha256'][:8]}/w{st['weight']}/n{st['shortlist']}"
-    return out
-
-
-def warm_leave_one_out(net: str) -> None:
-    """Fit (and cache) the second stage's cost model without ``net`` before the clock starts.
-    Only a leave-one-out run needs it: a user's recommend loads the shipped one in a second."""
-    from ttrank.donors import DonorStore
-    from ttrank.ranker import Ranker
-    from ttrank.target import make_target
-
-    ranker = Ranker.load()
-    if not (ranker.metadata.get("stage2") or {}).get("enabled"):
-        return
-    from ttrank.programs import cost_model_without
-
-    store = DonorStore.load()
-    cost_model_without([net], [Path(r.work_dir) for r in store.reports], make_target())
-
-
-def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False,
-                  extra: tuple[str, ...] = ()) -> tuple[dict, float, int, list[str]]:
-    """``ttrank recommend zoo:NET --leave-one-out`` as a user runs it, with a fresh data dir in
-    ``tmp``: (the --json report, wall seconds, processes paused, the command)."""
-    rep_path = tmp / "report.json"
-    cmd = ["ttrank", "recommend", f"zoo:{net}", "--leave-one-out", "--no-progress",
-           "--data-dir", str(tmp / "data"), "-o", str(tmp / f"{net}.so"), "--json", str(rep_path)]
-    if top_k:
-        cmd += ["--top-k", str(top_k)]
-    cmd += list(extra)
-    # the zoo model is exported before the clock starts: a user already has their file
-    subprocess.run(["ttrank", "zoo", "export", net, str(tmp / "warm.onnx")], check=True, capture_output=True)
-    warm_leave_one_out(net)
-    with paused_background(pause) as paused:
-        t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.time() - t0
-    print(proc.stdout[-4000:])
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    return json.loads(rep_path.read_text()), wall, paused, cmd
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--network", default="resnet50")
@@ -209,19 +91,15 @@ def main() -> int:
                     help="do nothing if the result was measured with the donor networks there are now")
     args = ap.parse_args()
     net = args.network
-    from ttrank.cli import MEASURE_SECONDS
-    from ttrank.donors import DonorStore
-    from ttrank.target import provenance, runtime_threads
-    from ttrank.util import atomic_write_json
-
-    path = Path(args.out) if args.out else RESULTS / f"recommend_{net}.json"
+    root = data_home()
+    path = Path(args.out) if args.out else results_dir() / f"recommend_{net}.json"
     available = sorted(n for n in DonorStore.load().networks if n != net)
     ms_dir = metaschedule_dir(net)
     # a result is current while the donors, the runtime's threads, recommend's measuring budget
     # and MetaSchedule's run are
     state = {"donor_networks_available": available, "threads": runtime_threads(),
              "measure_seconds": MEASURE_SECONDS, "ranker": ranker_id(),
-             "metaschedule_run": str(ms_dir.relative_to(ROOT)) if ms_dir else None}
+             "metaschedule_run": str(ms_dir.relative_to(root)) if ms_dir else None}
     if args.skip_if_current and path.exists():
         old = json.loads(path.read_text())
         if {k: old.get(k) for k in state} == state:

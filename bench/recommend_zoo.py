@@ -21,20 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from ttrank.bench import ranker_id, results_dir, run_recommend
+from ttrank.donors import DonorStore
+from ttrank.target import provenance, runtime_threads
+from ttrank.util import atomic_write_json, atomic_write_text
+from ttrank.zoo import ZOO
 
-from recommend_bench import RESULTS, ranker_id, run_recommend  # noqa: E402
-
-OUT = RESULTS / "recommend_zoo.json"
+OUT = results_dir() / "recommend_zoo.json"
 # exp/erf in their epilogues: TVM's scalar libm calls cost more than the convolution before them,
 # and onnxruntime's own kernels use vectorised approximations, so these also run with --fast-math
 FAST_MATH = ("efficientnetb0", "efficientnetb4", "bert", "mobilebert")
 
 
 def summarize(net: str, report: dict, wall: float, donors: list[str], paused: int) -> dict:
-    from ttrank.target import provenance
-
     lat = report["model_latency_ms"]
     ks = report["kernels"]
     return {
@@ -51,8 +50,6 @@ def summarize(net: str, report: dict, wall: float, donors: list[str], paused: in
 
 
 def write_table(results: dict) -> None:
-    from ttrank.util import atomic_write_text
-
     lines = ["# `ttrank recommend` on the zoo, leave-one-out", "",
              "Each row: `ttrank recommend zoo:NET --leave-one-out` with a fresh data dir; outputs checked "
              "against onnxruntime. Latencies are whole-model, measured by the run itself.", "",
@@ -79,11 +76,6 @@ def write_table(results: dict) -> None:
 
 
 def main() -> int:
-    from ttrank.donors import DonorStore
-    from ttrank.target import runtime_threads
-    from ttrank.util import atomic_write_json
-    from ttrank.zoo import ZOO
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--networks", nargs="+", default=[n for n, e in ZOO.items() if not e.tiny])
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no network after this")

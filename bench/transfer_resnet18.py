@@ -14,9 +14,7 @@ import argparse
 import json
 import time
 from collections import Counter
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -29,11 +27,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from ttrank import donors, frontend, kernels, measure, transfer, zoo
+    from ttrank.bench import results_dir
+    from ttrank.locations import shipped_donors
     from ttrank.target import make_target, provenance
     from ttrank.util import atomic_write_json, atomic_write_text
 
     target = make_target()
-    store = donors.DonorStore.load([ROOT / "datasets" / "donors" / d for d in args.donors])
+    store = donors.DonorStore.load([shipped_donors(required=True) / d for d in args.donors])
     model = frontend.load(zoo.cached(args.target_network))
     ks = [k for k in kernels.extract(model.mod, target) if k.anchor_op.endswith("conv2d_nchw")]
     m = measure.Measurer(target)
@@ -108,7 +108,7 @@ def main() -> None:
         "weighted_untuned_ms": 1e3 * sum(r["weight"] * r["untuned_s"] for r in rows),
         "provenance": provenance(target),
     }
-    out = ROOT / "bench" / "results" / "transfer_resnet18.json"
+    out = results_dir() / "transfer_resnet18.json"
     atomic_write_json(out, {"summary": summary, "kernels": rows})
     lines = ["| kernel | extents | pairs | valid (ttrank/tvm) | untuned ms | best ttrank ms | best tvm ms |",
              "|---|---|---|---|---|---|---|"]

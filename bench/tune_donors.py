@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-# donors that the transfer tests need first, then the rest, smaller searches first
-ORDER = ["mobilenetv2", "vgg16", "resnet18", "bert", "alexnet", "resnet50", "googlenet",
-         "mnasnet1_0", "efficientnetb0", "efficientnetb4", "mobilebert"]
+from ttrank.bench import DONOR_ORDER as ORDER
+from ttrank.locations import shipped_donors
+from ttrank.util import atomic_write_json
+from ttrank.workdir import MANIFEST_FILE, read_manifest
 
 
 def main() -> int:
@@ -26,13 +26,13 @@ def main() -> int:
     ap.add_argument("names", nargs="*", default=ORDER)
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--trials-per-task", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "datasets" / "donors"))
+    ap.add_argument("--out", default=None, help="default: datasets/donors of the data home")
     args = ap.parse_args()
     deadline = time.time() + 60 * args.budget_minutes
+    args.out = args.out or str(shipped_donors(required=True))
     for name in args.names:
         work = Path(args.out) / name
-        man = work / "tune_manifest.json"
-        m = json.loads(man.read_text()) if man.exists() else {}
+        m = read_manifest(work)
         if m.get("complete") and m.get("trials_per_task") == args.trials_per_task and \
                 m.get("model_latency_ms"):
             print(f"{name}: complete", flush=True)
@@ -59,10 +59,8 @@ def main() -> int:
 
 def write_summary(root: Path) -> None:
     """datasets/donors/manifest.json: per network, budget, trials, search time, CPU."""
-    from ttrank.util import atomic_write_json
-
     nets = {}
-    for man in sorted(root.glob("*/tune_manifest.json")):
+    for man in sorted(root.glob(f"*/{MANIFEST_FILE}")):
         m = json.loads(man.read_text())
         prov = m.get("provenance", {})
         nets[man.parent.name] = {

@@ -1,6 +1,6 @@
 """The paper table's arithmetic, on a hand-made evaluation run (no TVM, no measuring)."""
 
-import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -11,11 +11,15 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.fixture(scope="module")
 def paper_table():
-    sys.path.insert(0, str(BENCH))
+    """bench/paper_table.py as a module (a script, not on any import path)."""
+    spec = importlib.util.spec_from_file_location("paper_table", BENCH / "paper_table.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["paper_table"] = module  # its dataclasses look their module up there
     try:
-        yield importlib.import_module("paper_table")
+        spec.loader.exec_module(module)
+        yield module
     finally:
-        sys.path.remove(str(BENCH))
+        sys.modules.pop("paper_table", None)
 
 
 def _run(**over) -> dict:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import onnx
 import pytest
 
-from ttrank import engine, frontend, kernels, zoo
+from ttrank import frontend, kernels, runtime, zoo
 from ttrank.cli import main
 from ttrank.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+from ttrank.target import isa_intrinsics_module, make_target
 
 
 def test_zoo_builds_every_network_deterministically():
@@ -64,9 +67,9 @@ def test_compile_matches_onnxruntime(tiny_bert, tmp_path):
     model = frontend.load(tiny_bert)
     from ttrank.target import make_target
 
-    ex = engine.compile_model(model, make_target())
-    out = engine.export(ex, tmp_path / "m.so")
-    res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, model), model)
+    ex = runtime.compile_model(model, make_target())
+    out = runtime.export(ex, tmp_path / "m.so")
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.load(out, model), model)
     assert res.ok and res.max_abs_error < 1e-4
 
 
@@ -101,8 +104,8 @@ def test_fast_math_replaces_transcendentals_and_still_matches(tmp_path):
     assert calls(fast.mod) == set() and fast.fast_math
     assert calls(frontend.with_fast_math(exact.mod)) == set()
     assert calls(exact.mod) == {"sigmoid", "erf"}  # the caller's module is left as it was
-    out = engine.export(engine.compile_model(fast, make_target()), tmp_path / "fast.so")
-    res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, fast), fast)
+    out = runtime.export(runtime.compile_model(fast, make_target()), tmp_path / "fast.so")
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.load(out, fast), fast)
     assert res.ok and res.max_abs_error < 1e-4
 
 
@@ -175,8 +178,8 @@ def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_styl
     assert model.simplified
     from ttrank.target import make_target
 
-    compiled = engine.CompiledModel.from_executable(engine.compile_model(model, make_target()), model)
-    assert engine.check_against_onnxruntime(compiled, model).ok
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
+    assert runtime.check_against_onnxruntime(compiled, model).ok
 
 
 def test_resnet18_kernels_add_up_to_the_known_flops(tmp_path):
@@ -195,8 +198,8 @@ def test_resnet18_compile_matches_onnxruntime(tmp_path):
     from ttrank.target import make_target
 
     model = frontend.load(zoo.export("resnet18", tmp_path / "r18.onnx"))
-    compiled = engine.CompiledModel.from_executable(engine.compile_model(model, make_target()), model)
-    res = engine.check_against_onnxruntime(compiled, model)
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
+    res = runtime.check_against_onnxruntime(compiled, model)
     assert res.ok and res.max_rel_error < 1e-4
 
 
@@ -290,7 +293,28 @@ def test_batch_norms_fold_into_transposed_convs_and_outputs_still_match(tmp_path
         assert not any(c.startswith("conv2d_transpose") for c in classes), classes
     else:
         assert any(c.startswith("conv2d_transpose_nchw") for c in classes), classes
-    ex = engine.compile_model(model, make_target())
-    out = engine.export(ex, tmp_path / "m.so")
-    res = engine.check_against_onnxruntime(engine.CompiledModel.load(out, model), model)
+    ex = runtime.compile_model(model, make_target())
+    out = runtime.export(ex, tmp_path / "m.so")
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.load(out, model), model)
     assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_tuning_registers_only_the_cpus_own_tensor_intrinsics():
+    # MetaSchedule's TuneContext imports every backend's intrinsics (30 s and more); a CPU
+    # target needs only its ISA's, and a later full import must still be possible
+    code = (
+        "import sys\n"
+        "from tvm.s_tir import TensorIntrin, meta_schedule as ms\n"
+        "from ttrank.target import cpu_tensor_intrinsics, isa_intrinsics_module, make_target\n"
+        "t = make_target()\n"
+        "with cpu_tensor_intrinsics(t):\n"
+        "    ms.TuneContext(target=t)\n"
+        "x86 = isa_intrinsics_module(t) == 'x86'\n"
+        "print('tvm.s_tir.tensor_intrin.cuda' in sys.modules, 'tvm.s_tir.tensor_intrin' in sys.modules,\n"
+        "      not x86 or TensorIntrin.get('dot_16x4_vnni') is not None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True"]
+    aarch64 = make_target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"})
+    assert isa_intrinsics_module(aarch64) == "arm_cpu"
+    assert isa_intrinsics_module(None) is None

@@ -131,7 +131,8 @@ def test_rank_returns_scored_candidates_without_measuring(trained, donor_dir, ti
                          ranker=Ranker.load(trained), k=3)
     conv = ranked["fused_conv2d1_add_relu"]
     assert 0 < len(conv) <= 3
-    assert all(c.mod is None for c in conv)  # nothing applied or measured
+    # ranked pairs, nothing applied or measured: a Candidate holds no program (a Transferred does)
+    assert all(isinstance(c, ttrank.Candidate) and not hasattr(c, "mod") for c in conv)
     assert conv[0].score >= conv[-1].score
     c = conv[0]
     assert c.donor.network == "tiny_resnet" and c.record.trace_json and c.features
@@ -186,9 +187,9 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
                                                       monkeypatch):
     """Ctrl-C in the middle: finished batches stay in the table, nothing is written as done,
     and the rerun measures only what is missing."""
-    import ttrank.engine as engine
+    import ttrank.pipeline as pipeline
 
-    monkeypatch.setattr(engine, "MEASURE_CHUNK", 1)
+    monkeypatch.setattr(pipeline, "MEASURE_CHUNK", 1)
     real, calls, stop = measure.Measurer._build, [], [True]
 
     # the second batch's build (done while the first runs) is where Ctrl-C lands
@@ -218,9 +219,9 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
 def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_path, monkeypatch):
     """A budget spent after the first batch: that batch held the top-1 of the kernel with the
     largest share of the model; the others say why they stayed untuned."""
-    import ttrank.engine as engine
+    import ttrank.pipeline as pipeline
 
-    monkeypatch.setattr(engine, "MEASURE_CHUNK", 1)
+    monkeypatch.setattr(pipeline, "MEASURE_CHUNK", 1)
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=3, minor_share=0.0,
                            data_dir=tmp_path / "data", database_dir=tmp_path / "db",
@@ -261,9 +262,7 @@ def test_recommend_bad_inputs(trained, tiny_cnn, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
-    import ttrank.donors as d
-
-    monkeypatch.setattr(d, "DATASET_DONORS", empty)
+    monkeypatch.setenv("TTRANK_HOME", str(empty))  # a data home without donors
     rc = main(["recommend", str(tiny_cnn), "--ranker", str(trained), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "donor store is empty" in err and "Traceback" not in err
@@ -290,13 +289,11 @@ def test_leave_one_network_out_holds_out_the_target(measurements, donor_dir):
 def test_train_on_new_logs(donor_dir, tmp_path, monkeypatch, capsys):
     """`ttrank train --logs` ingests a fresh MetaSchedule log, measures what it needs, retrains."""
     monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
-    import ttrank.donors as d
     import ttrank.training as t
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    monkeypatch.setattr(d, "DATASET_DONORS", empty)
-    monkeypatch.setattr(t, "DATASET_MEASUREMENTS", empty)
+    monkeypatch.setenv("TTRANK_HOME", str(empty))  # a data home without donors or tables
     out = tmp_path / "ranker.json"
     rc = main(["train", "--logs", str(donor_dir), "--networks", "tiny_cnn", "--budget-minutes", "5",
                "--max-per-kernel", "6", "--trees", "30", "--out", str(out)])

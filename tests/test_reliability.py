@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from ttrank import engine, frontend, fuzz, kernels, measure, reliability, util
+from ttrank import frontend, fuzz, kernels, measure, reliability, runtime, util
 from ttrank.cli import main
 from ttrank.errors import TooLargeError, UnsafeModelError
 
@@ -78,7 +78,7 @@ def test_absurd_shapes_are_refused_before_anything_is_imported_or_compiled(tmp_p
         raise AssertionError("an absurd model reached TVM")
 
     monkeypatch.setattr(frontend, "_import", must_not_run)
-    monkeypatch.setattr(engine, "compile_model", must_not_run)
+    monkeypatch.setattr(runtime, "compile_model", must_not_run)
     for make in (reliability.absurd_input_model, reliability.absurd_intermediate_model,
                  reliability.absurd_initializer_model):
         path = make(tmp_path / f"{make.__name__}.onnx")

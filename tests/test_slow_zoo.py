@@ -7,13 +7,13 @@ import json
 import pytest
 
 from ttrank.cli import main
-from ttrank.donors import default_work_dirs
-from ttrank.ranker import DEFAULT_MODEL
+from ttrank import locations
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(not DEFAULT_MODEL.exists() or not default_work_dirs(),
+@pytest.mark.skipif(locations.data_home(required=False) is None
+                    or not locations.shipped_ranker().exists() or not locations.shipped_donors().exists(),
                     reason="needs the shipped ranker (models/) and donors (datasets/donors/)")
 def test_recommend_resnet18_leave_one_out(tmp_path):
     report = tmp_path / "r18.json"

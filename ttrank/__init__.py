@@ -6,28 +6,21 @@ from .target import use_host_threads  # noqa: E402
 
 use_host_threads()  # before any TVM runtime thread pool starts
 
-from .engine import KernelReport, Result  # noqa: E402
+from .donors import DonorStore  # noqa: E402
 from .errors import TTRankError  # noqa: E402
-from .transfer import Candidate  # noqa: E402
+from .frontend import LoadedModel  # noqa: E402
+from .kernels import Kernel, extract  # noqa: E402
+from .pipeline import KernelReport, Result  # noqa: E402
+from .pipeline import recommend as _recommend  # noqa: E402
+from .ranker import Ranker  # noqa: E402
+from .ranking import Candidate, SecondStage, rank_kernel, rerank  # noqa: E402
+from .target import make_target  # noqa: E402
+from .zoo import load  # noqa: E402
 
 __all__ = ["Candidate", "KernelReport", "Result", "TTRankError", "load", "rank", "recommend"]
 
 
-def load(path, input_shapes=None, fast_math: bool = False):
-    """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:
-    {name: [dims]} for dynamic inputs; ``fast_math``: :func:`ttrank.frontend.with_fast_math`)."""
-    from .frontend import load as _load
-
-    if isinstance(path, str) and path.startswith("zoo:"):
-        from .zoo import cached
-
-        path = cached(path[4:])
-    return _load(path, input_shapes, fast_math=fast_math)
-
-
-def _as_model(model, input_shapes=None):
-    from .frontend import LoadedModel
-
+def _as_model(model, input_shapes=None) -> LoadedModel:
     return model if isinstance(model, LoadedModel) else load(model, input_shapes)
 
 
@@ -42,22 +35,16 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
     does (the shortlist is transferred and reordered by the program cost model, at 0.1-0.3 s
     per shortlisted candidate; those Candidates carry ``cost_score``).
     """
-    from .donors import DonorStore
-    from .engine import rank_kernel, rerank_kernel, second_stage
-    from .kernels import Kernel, extract
-    from .ranker import Ranker
-    from .target import make_target
-
     target = target if target is not None else make_target()
     store = store if store is not None else DonorStore.load()
     ranker = ranker if ranker is not None else Ranker.load()
     exclude = set(exclude_networks)
-    stage = second_stage(ranker, store, target, exclude) if programs else None
+    stage = SecondStage.of(ranker, store, target, exclude) if programs else None
 
-    def one(kern):
+    def one(kern: Kernel) -> list[Candidate]:
         cands = rank_kernel(kern, store, ranker, exclude)
         if stage is not None:
-            cands, _ = rerank_kernel(kern, cands, stage, target)
+            cands, _ = rerank(kern, cands, stage, target)
         return cands[:k]
 
     if isinstance(model_or_kernel, Kernel):
@@ -67,11 +54,9 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
 
 
 def recommend(model, *, input_shapes=None, **kwargs) -> Result:
-    """Transfer-tune a model end to end; see :func:`ttrank.engine.recommend` for the options.
+    """Transfer-tune a model end to end; see :func:`ttrank.pipeline.recommend` for the options.
 
     Returns a :class:`Result`: chosen schedules per kernel, the database path, the compiled
     module (``result.compiled``), latencies and the per-kernel report.
     """
-    from .engine import recommend as _recommend
-
     return _recommend(_as_model(model, input_shapes), **kwargs)

@@ -14,17 +14,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import util
-from .errors import BusyError, OutputError, TTRankError
+from . import collect, donors, frontend, kernels, locations, pipeline, runtime, training, tune, util, zoo
+from .coverage import coverage
+from .errors import BusyError, CheckError, OutputError, TTRankError
+from .evaluate import KEYS, PAPER_PAIRING
 from .frontend import onnx_complaint
-from .util import cache_dir, say
+from .measure import Measurer, RunnerSpec
+from .pipeline import MEASURE_SECONDS
+from .ranker import Ranker
+from .target import cross_compiler, machine_busy, make_target
+from .util import atomic_write_json, cache_dir, on_sigint, say
+from .workdir import open_database
 
 log = logging.getLogger("ttrank")
 
-
-
-# recommend stops measuring after this long by default: 3 minutes on 2 cores for ResNet-50
-MEASURE_SECONDS = 120.0
 
 def _console():
     from rich.console import Console
@@ -64,9 +67,7 @@ def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False, 
     With ``args``, keeps the model there: if TVM fails on it later, and the file is not valid
     ONNX, that is the user's to fix, not a ttrank bug.
     """
-    from . import frontend, load
-
-    model = load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
+    model = zoo.load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
     if args is not None:
         args.loaded_model = model
     if model.simplified_because:  # the importer's own complaint went to the native log (-v)
@@ -79,8 +80,6 @@ def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False, 
 
 
 def cmd_zoo(args) -> int:
-    from . import zoo
-
     con = _console()
     if args.zoo_cmd == "list":
         from rich.table import Table
@@ -97,9 +96,6 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from . import kernels
-    from .target import make_target
-
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
     if args.coverage:
@@ -125,11 +121,8 @@ def cmd_kernels(args) -> int:
 
 def _print_coverage(name: str, ks: list, args) -> int:
     """Which kernels the donor store has schedules for, before anything is measured."""
-    from .coverage import coverage
-    from .donors import DonorStore
-
     exclude = {name} if args.leave_one_out else set()
-    rows = coverage(ks, DonorStore.load(args.donors or None), exclude)
+    rows = coverage(ks, donors.DonorStore.load(args.donors or None), exclude)
     uncovered = sum(r.flop_share for r in rows if not r.covered)
     if args.json:
         print(json.dumps({"model": name, "excluded_networks": sorted(exclude),
@@ -164,44 +157,37 @@ def _fmt_attrs(attrs: dict) -> str:
 
 
 def cmd_compile(args) -> int:
-    from . import engine
-    from .target import make_target
-
     con = _console()
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     _check_output_space(model, Path(args.output))  # before compiling, not after
     target = make_target(args.target)
     database = None
     if args.database:
-        from .donors import open_database
-
         database = open_database(args.database)
     t0 = time.time()
-    ex = engine.compile_model(model, target, database)
+    ex = runtime.compile_model(model, target, database)
     con.print(f"compiled {model.name} in {time.time() - t0:.1f} s "
               f"({'database ' + args.database if database else 'default CPU pipeline, untuned'})")
     if not args.no_check:
-        compiled = engine.CompiledModel.from_executable(ex, model)
-        res = engine.check_against_onnxruntime(compiled, model)
+        compiled = runtime.CompiledModel.from_executable(ex, model)
+        res = runtime.check_against_onnxruntime(compiled, model)
         con.print(f"check vs onnxruntime: max abs error {res.max_abs_error:.3g} "
                   f"(max rel {res.max_rel_error:.3g}) over {res.outputs} output(s): "
                   f"{'OK' if res.ok else 'MISMATCH'}")
         if not res.ok:
-            raise engine.CheckError(f"compiled outputs differ from onnxruntime "
-                                    f"(max abs error {res.max_abs_error:.3g}); nothing written")
+            raise CheckError(f"compiled outputs differ from onnxruntime "
+                             f"(max abs error {res.max_abs_error:.3g}); nothing written")
         if args.time:
-            lat = engine.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
+            lat = runtime.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
             con.print(f"latency (timed in alternation, min of 3): ttrank/TVM {lat['tvm']:.2f} ms, "
                       f"onnxruntime {lat['onnxruntime']:.2f} ms")
-    out = engine.export(ex, args.output)
+    out = runtime.export(ex, args.output)
     con.print(f"wrote {out}")
     return 0
 
 
 def cmd_tune(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from . import tune
 
     con = _console()
     # MetaSchedule's own tuning runner settings, on the fleet's devices with --rpc-tracker
@@ -237,7 +223,11 @@ def cmd_tune(args) -> int:
                          runner=runner if runner.kind == "rpc" else None)
     complete = prog.trials_done >= prog.trials_total
     if complete and args.measure_model:
-        _measure_tuned_model(model, target, args.out, con)
+        lat = tune.measure_model(model, target, args.out, on_start=lambda: con.print(
+            "measuring the whole model: untuned, tuned, onnxruntime ..."))
+        if lat:
+            con.print(f"untuned {lat['untuned']:.1f} ms, tuned {lat['tuned']:.2f} ms, "
+                      f"onnxruntime {lat['onnxruntime']:.2f} ms")
     state = "complete" if complete else "partial (rerun to resume)"
     con.print(f"{name}: {prog.trials_done}/{prog.trials_total} trials, {prog.tasks_done}/"
               f"{len(prog.tasks)} kernels, search {prog.search_s:.0f} s, {state}; database in {args.out}")
@@ -297,8 +287,6 @@ def _native_stderr_captured(enabled: bool):
 
 
 def cmd_donors(args) -> int:
-    from . import donors
-
     con = _console()
     if args.donors_cmd == "add":
         dest, rep = donors.add_work_dir(args.dir, name=args.name)
@@ -306,19 +294,7 @@ def cmd_donors(args) -> int:
         con.print(f"added {rep.workloads} kernels, {rep.kept} records (of {rep.records} lines; "
                   f"skipped: {skipped}) as donor network {dest.name!r} in {dest}")
         return 0
-    dirs = [Path(d) for d in args.dirs] if args.dirs else donors.default_work_dirs()
-    if not dirs:
-        raise donors.StoreError("the donor store is empty: no work_dir under datasets/donors/ "
-                                "and none added (ttrank donors add DIR)")
-    store = donors.DonorStore.load(dirs)
-    rows = []
-    for d, rep in zip(dirs, store.reports):
-        s = donors.network_summary(d)
-        lat = s.get("model_latency_ms") or {}
-        rows.append({**s, "network": rep.network, "kernels": rep.workloads, "records": rep.kept,
-                     "lines": rep.records, "skipped": rep.skipped,
-                     "untuned_ms": lat.get("untuned"), "tuned_ms": lat.get("tuned"),
-                     "onnxruntime_ms": lat.get("onnxruntime")})
+    store, rows = donors.listing([Path(d) for d in args.dirs] if args.dirs else None)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -346,8 +322,6 @@ def cmd_donors(args) -> int:
 def _runner_spec(args, **kw):
     """The runner the flags ask for; a remote one is checked at once (tracker up, a device
     there within --device-wait, one CPU under the key)."""
-    from .measure import RunnerSpec
-
     if getattr(args, "rpc_tracker", None):
         if not args.device_key:
             raise TTRankError("--rpc-tracker needs --device-key KEY")
@@ -361,8 +335,6 @@ def _runner_spec(args, **kw):
 def _make_target(args, runner):
     """--target, else over RPC what the devices report (their CPU, not the host's); another
     architecture's linker is checked for now, not after the first batch."""
-    from .target import cross_compiler, make_target
-
     target = make_target(runner.target() if args.target is None and runner.kind == "rpc" else args.target)
     if cross_compiler(target) is not None and runner.kind == "local":
         raise TTRankError(f"the target is {target.attrs['mtriple']}, which this host cannot run: "
@@ -409,37 +381,13 @@ def _exclusive(path: str | Path, doing: str):
 def cmd_recommend(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import engine
-    from .donors import DonorStore
-    from .ranker import Ranker
-    from .target import machine_busy
-
     con = _console()
     runner = _runner_spec(args)  # a tracker that is down says so before any work
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
     target = _make_target(args, runner)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
-    store = DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
-    exclude = set(args.exclude_network or [])
-    if args.leave_one_out:
-        net = args.model[4:] if args.model.startswith("zoo:") else model.name
-        exclude.add(net)
-        if net in ranker.metadata.get("training_networks", []):
-            from .training import ranker_without
-
-            con.print(f"leave-one-out: refitting the ranker without {net}'s measurements")
-            ranker = ranker_without(net, ranker, store)
-    from .ranker import data_cpus
-    from .target import host_mcpu
-
-    trained = data_cpus(ranker.metadata)
-    if trained and target.attrs.get("mcpu") not in trained and args.rpc_tracker is None:
-        # rankings carry over between x86 CPUs; what is measured here decides the winner
-        con.print(f"note: the ranker learned from measurements on {', '.join(trained)}; this CPU is "
-                  f"{target.attrs.get('mcpu') or host_mcpu()}. Its top {args.top_k or ranker.metadata.get('top_k', 3)} "
-                  "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
-                  "teach it this CPU.")
+    store = donors.DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
     output = args.output or f"{model.name}.so"
     _check_output_space(model, Path(output), Path(args.database or output).resolve().parent)
     busy = machine_busy()
@@ -457,18 +405,16 @@ def cmd_recommend(args) -> int:
                 jobs[phase] = bar.add_task(phase, total=total, info="")
             bar.update(jobs[phase], completed=done, total=total, info=info[:50])
 
-        res = engine.recommend(model, target=target, store=store, ranker=ranker, top_k=args.top_k,
-                               output=output, database_dir=args.database, runner=runner,
-                               data_dir=args.data_dir, exclude_networks=exclude,
-                               tune_missing=(engine.TUNE_MISSING_SECONDS if args.tune_missing is None
-                                             else args.tune_missing), minor_share=args.minor_share,
-                               measure_budget_s=(args.measure_seconds
-                                                 if args.measure_seconds < float("inf") else None),
-                               on_progress=on_progress)
+        res = pipeline.recommend(
+            model, target=target, store=store, ranker=ranker, top_k=args.top_k, output=output,
+            database_dir=args.database, runner=runner, data_dir=args.data_dir,
+            exclude_networks=set(args.exclude_network or []), leave_one_out=args.leave_one_out,
+            tune_missing=pipeline.TUNE_MISSING_SECONDS if args.tune_missing is None else args.tune_missing,
+            minor_share=args.minor_share,
+            measure_budget_s=args.measure_seconds if args.measure_seconds < float("inf") else None,
+            on_progress=on_progress, on_note=con.print)
     _print_report(con, res)
     if args.json:
-        from .util import atomic_write_json
-
         atomic_write_json(args.json, res.to_json())
         con.print(f"report: {args.json}")
     return 0
@@ -515,52 +461,20 @@ def _print_report(con, res) -> None:
 
 
 def cmd_train(args) -> int:
-    from . import training
-    from .ranker import DEFAULT_MODEL, Ranker
-
     con = _console()
-    out = Path(args.out) if args.out else DEFAULT_MODEL
+    out = Path(args.out) if args.out else None
     before = None
     if args.logs:
-        from . import collect as coll
-        from .donors import DonorStore, add_work_dir
-        from .measure import Measurer
-        from .target import make_target
-
-        target = make_target(args.target)
-        names = []
-        for d in args.logs:
-            dest, rep = add_work_dir(d)
-            names.append(dest.name)
-            con.print(f"ingested {d} as donor network {dest.name!r}: {rep.workloads} kernels, "
-                      f"{rep.kept} records")
-        if out.exists():
-            try:
-                before = Ranker.load(out).metadata.get("evaluation", {}).get("leave_one_network_out")
-            except TTRankError:
-                before = None
-        store = DonorStore.load(target=target)
-        new = store.without({w.network for w in store.workloads} - set(names))
-        data = cache_dir() / "data" / "measurements"
-        measurer = Measurer(target)
-        deadline = time.time() + 60 * args.budget_minutes
         try:
-            for net in args.networks:
-                left = deadline - time.time()
-                if left <= 0:
-                    break
-                model = load_model_arg(f"zoo:{net}", [])
-                st = coll.collect(net, model, new, data, target, measurer, budget_s=left,
-                                  max_per_kernel=args.max_per_kernel)
-                con.print(f"{net}: measured {st.measured} new pairs ({st.valid} valid)")
-        finally:
-            measurer.close()
+            before = Ranker.load(out).metadata.get("evaluation", {}).get("leave_one_network_out")
+        except TTRankError:
+            before = None
+        training.learn_logs(args.logs, args.networks, make_target(args.target), 60 * args.budget_minutes,
+                            args.max_per_kernel, on_note=con.print)
     report = training.train(out=out, n_estimators=args.trees)
     avg = report.get("leave_one_network_out")
     con.print(f"trained on {report['rows']} candidates in {report['groups']} kernel groups from "
-              f"{len(report['networks'])} networks; ranker {report['config']}; saved {out}")
-    from .evaluate import KEYS
-
+              f"{len(report['networks'])} networks; ranker {report['config']}; saved {report['model']}")
     if avg:
         con.print("leave-one-network-out: " + ", ".join(f"{k} {avg[k]:.3f}" for k in KEYS if k in avg))
     st = report.get("stage2") or {}
@@ -577,64 +491,36 @@ def cmd_train(args) -> int:
 
 
 def cmd_collect(args) -> int:
-    from . import collect as coll
-    from .donors import DonorStore
-    from .evaluate import PAPER_PAIRING
-    from .measure import Measurer
-
     con = _console()
     runner = _runner_spec(args, repeat=max(1, args.repeat // args.rounds), rounds=args.rounds)
     target = _make_target(args, runner)
-    store = DonorStore.load(args.donors or None, target=target)
+    store = donors.DonorStore.load(args.donors or None, target=target)
     measurer = Measurer(target, runner)
-    from .target import machine_busy
-
     busy = machine_busy()
     # these latencies become training labels: say so, the rows record the load too (a fleet's
     # devices are not this machine)
     if busy and runner.kind == "local":
         con.print(f"[yellow]warning: {busy}; measurements taken now will be noisy[/yellow]")
-    deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+    out = args.out or locations.shipped_measurements(required=True)
+    done = 0
     try:
-        for net in args.networks:
-            left = deadline - time.time() if deadline else None
-            if left is not None and left <= 0:
-                con.print("budget spent")
-                break
-            model = load_model_arg(f"zoo:{net}", [])
-            st = coll.collect(net, model, store, args.out, target, measurer, budget_s=left,
-                              max_per_kernel=args.max_per_kernel,
-                              records_per_donor=args.records_per_donor,
-                              paper_donor=None if args.no_paper else PAPER_PAIRING.get(net),
-                              on_progress=lambda s, i: con.print(
-                                  f"  {s.network}: kernel {i + 1}/{s.kernels}, {s.measured} measured, "
-                                  f"{s.valid} valid, {s.wrong} wrong, {s.rejected} rejected")
-                              if not args.quiet else None)
+        for net, st in collect.collect_networks(
+                args.networks, store, out, target, measurer,
+                budget_s=60 * args.budget_minutes if args.budget_minutes else None,
+                max_per_kernel=args.max_per_kernel, records_per_donor=args.records_per_donor,
+                paper_donor_of=None if args.no_paper else PAPER_PAIRING,
+                on_progress=None if args.quiet else lambda s, i: con.print(
+                    f"  {s.network}: kernel {i + 1}/{s.kernels}, {s.measured} measured, "
+                    f"{s.valid} valid, {s.wrong} wrong, {s.rejected} rejected")):
+            done += 1
             con.print(f"{net}: {st.measured} measured ({st.valid} valid, {st.wrong} wrong result, "
                       f"{st.rejected} rejected), {st.skipped_existing} already present"
                       + (", stopped by budget" if st.stopped_by_budget else ""))
+        if done < len(args.networks):
+            con.print("budget spent")
     finally:
         measurer.close()
     return 0
-
-
-def _measure_tuned_model(model, target, work_dir: str, con) -> None:
-    """Record whole-model latency (untuned, tuned, onnxruntime) in the tune manifest, once."""
-    from . import engine
-    from .donors import open_database
-    from .tune import MANIFEST_FILE
-    from .util import atomic_write_json
-
-    path = Path(work_dir) / MANIFEST_FILE
-    manifest = json.loads(path.read_text())
-    if manifest.get("model_latency_ms"):
-        return
-    con.print("measuring the whole model: untuned, tuned, onnxruntime ...")
-    lat = engine.model_latencies(model, target, open_database(work_dir))
-    manifest["model_latency_ms"] = lat
-    atomic_write_json(path, manifest)
-    con.print(f"untuned {lat['untuned']:.1f} ms, tuned {lat['tuned']:.2f} ms, "
-              f"onnxruntime {lat['onnxruntime']:.2f} ms")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -743,7 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("collect", help="cross-measure donor schedules on zoo networks (resumable)")
     co.add_argument("networks", nargs="+")
-    co.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "datasets" / "measurements"))
+    co.add_argument("--out", default=None,
+                    help="measurement tables (default: datasets/measurements of the data home)")
     co.add_argument("--donors", nargs="+")
     co.add_argument("--budget-minutes", type=float, default=None)
     co.add_argument("--max-per-kernel", type=int, default=40)
@@ -776,8 +663,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--threads must be at least 1")
         # before TVM's thread pool starts here, and inherited by every measuring worker
         os.environ["TVM_NUM_THREADS"] = str(args.threads)
-    from .util import on_sigint
-
     interrupted = []
 
     def handler(signum, frame):

@@ -16,17 +16,23 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import measurements, zoo
 from .donors import DonorRecord, DonorStore, DonorWorkload
-from .kernels import Kernel
+from .features import FEATURE_NAMES, vector
+from .kernels import Kernel, extract
+from .measurements import UNTUNED, compact_provenance, is_current, machine_of, same_cpu
+from .measurements import key as measurement_key
+from .ranker import relevance
+from .target import provenance
+from .transfer import transfer
 from .util import append_jsonl, atomic_write_json, read_jsonl
 
 log = logging.getLogger("ttrank")
 
-UNTUNED = "untuned"
 
 
 @dataclass
@@ -39,12 +45,6 @@ class CollectStats:
     rejected: int = 0
     wrong: int = 0
     stopped_by_budget: bool = False
-
-
-def measurement_key(row: dict) -> tuple[str, str]:
-    """(workload, record); a record transferred another way than ttrank's gets its own key."""
-    adapt = row.get("adapt") or "ttrank"
-    return row["workload"], row["record"] if adapt == "ttrank" else f"{row['record']}@{adapt}"
 
 
 def paper_pairs(kernel: Kernel, store: DonorStore, donor_network: str | None
@@ -76,27 +76,6 @@ def sample_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
     return (best + rest)[:max_per_kernel]
 
 
-def machine_of(prov: dict) -> tuple:
-    """What a latency depends on besides the program: the CPU and the runtime's threads."""
-    return prov.get("mcpu"), prov.get("cores"), prov.get("threads")
-
-
-def is_current(row: dict, record: DonorRecord | None) -> bool:
-    """Whether a row measured the schedule that ``record`` holds now (rows from before hashes
-    were kept are taken as current)."""
-    h = row.get("record_hash")
-    return h is None or record is None or h == record.trace_hash
-
-
-def same_cpu(row: dict, prov: dict) -> bool:
-    return machine_of(row.get("provenance") or {}) == machine_of(prov)
-
-
-def compact_provenance(prov: dict) -> dict:
-    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date", "load_1m",
-                                 "device_key", "device_triple", "devices") if k in prov}
-
-
 def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], measurer,
                    target, network: str, untuned_s: float | None, prov: dict,
                    adapt: str = "ttrank") -> list[dict]:
@@ -110,8 +89,6 @@ def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]
 
 def transfer_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], target,
                    adapt: str = "ttrank") -> list:
-    from .transfer import transfer
-
     return [transfer(r, kernel, w, target, adapt=adapt) for w, r in pairs]
 
 
@@ -129,17 +106,10 @@ def candidate_rows(kernel: Kernel, cands: list, results: list, network: str,
             status, lat, reason = "ok", m.latency_s, ""
         else:
             status, lat, reason = m.status, None, m.error
-        row = {"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
-               "class": kernel.workload_class, "record": c.record.id,
-               "donor_network": c.donor.network, "donor_kernel": c.donor.kernel.name,
-               "donor_rank": c.record.rank, "record_hash": c.record.trace_hash,
-               "status": status, "reason": reason[:300],
-               "latency_s": lat, "untuned_s": untuned_s, "method": c.method, "adapt": c.adapt,
-               "tile_changes": len(c.tile_changes), "provenance": prov,
-               "pool": "paper" if c.adapt == "tvm" else "ranked"}
-        if m is not None and m.devices:  # a fleet: which devices ran it
-            row["devices"] = m.devices
-        rows.append(row)
+        # a fleet: which devices ran it
+        rows.append(measurements.row(network, kernel, status, lat, reason, prov, c, untuned_s=untuned_s,
+                                     pool="paper" if c.adapt == "tvm" else "ranked",
+                                     devices=m.devices if m is not None else None))
     return rows
 
 
@@ -153,9 +123,6 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     With ``paper_donor``, also the paper's baseline: that network's exact-class schedules with
     their tile sizes left to TVM (``adapt="tvm"``), in rows of their own (``pool: "paper"``).
     """
-    from .kernels import extract
-    from .target import provenance
-
     out_dir = Path(out_dir)
     table = out_dir / f"{network}.jsonl"
     kernels = [k for k in extract(model.mod, target) if k.tunable]
@@ -190,10 +157,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
             if k.workload_hash not in untuned:
                 m = baseline.measure([k.mod])[0]
                 untuned[k.workload_hash] = m.latency_s
-                append_jsonl(table, {"network": network, "kernel": k.name, "workload": k.workload_hash,
-                                     "class": k.workload_class, "record": UNTUNED, "status": m.status,
-                                     "latency_s": m.latency_s, "reason": m.error[:300],
-                                     "provenance": prov})
+                append_jsonl(table, measurements.row(network, k, m.status, m.latency_s, m.error, prov))
             pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
             todo = [(w, r, "ttrank") for w, r in pairs if (k.workload_hash, r.id) not in done]
             paper = [] if paper_donor == network else paper_pairs(k, store, paper_donor)
@@ -223,6 +187,21 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
         if on_progress:
             on_progress(stats, i)
     return stats
+
+
+def collect_networks(networks: list[str], store: DonorStore, out_dir: str | Path, target, measurer,
+                     budget_s: float | None = None, paper_donor_of: dict[str, str] | None = None,
+                     **kw) -> Iterator[tuple[str, CollectStats]]:
+    """:func:`collect` on each zoo network in turn, within one budget for all (None: no limit);
+    yields (network, its stats) and stops early, before a network, once the budget is spent.
+    ``paper_donor_of``: network -> its paper baseline's donor network (:func:`collect`)."""
+    deadline = time.time() + budget_s if budget_s is not None else None
+    for net in networks:
+        left = deadline - time.time() if deadline is not None else None
+        if left is not None and left <= 0:
+            return
+        yield net, collect(net, zoo.load(f"zoo:{net}"), store, out_dir, target, measurer, budget_s=left,
+                           paper_donor=(paper_donor_of or {}).get(net), **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,8 +237,6 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
     """
     import numpy as np
 
-    from .features import vector
-    from .ranker import relevance
 
     rec_of: dict[str, tuple[DonorWorkload, DonorRecord]] = {
         r.id: (w, r) for w in store.workloads for r in w.records}
@@ -299,7 +276,6 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                                  "mcpu": (r.get("provenance") or {}).get("mcpu"),
                                  "cpu": (r.get("provenance") or {}).get("cpu")})
                 groups.append(len(usable))
-    from .features import FEATURE_NAMES
 
     return Dataset(np.asarray(X, dtype=np.float32).reshape(-1, len(FEATURE_NAMES)),
                    np.asarray(y, dtype=np.float32), groups, meta)

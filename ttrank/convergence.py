@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tune import MANIFEST_FILE, TRIALS_FILE
-from .util import read_jsonl
+from .donors import index_work_dir
+from .kernels import describe
+from .workdir import MANIFEST_FILE, TRIALS_FILE, read_manifest, records, trials, workload_lines
 
 
 @dataclass
@@ -57,7 +58,7 @@ def _trial_rows(work_dir: str | Path):
     """Each trial of ``trials.jsonl`` as (row, run seconds, seconds its own task had been searched,
     first row of a new batch?). Every row of one batch carries the same time."""
     last_t, batch, spent = 0.0, None, {}
-    for row in read_jsonl(Path(work_dir) / TRIALS_FILE):
+    for row in trials(work_dir):
         t = float(row.get("search_s") or 0.0)
         if row.get("event") == "task_complete":
             last_t, batch = max(last_t, t), None
@@ -128,8 +129,7 @@ def _cross(o, a, b) -> float:
 def finished_run(*work_dirs: str | Path) -> Path | None:
     """The first of ``work_dirs`` holding a finished tuning run (a run still going does not count)."""
     for d in map(Path, work_dirs):
-        man = d / MANIFEST_FILE
-        if (d / TRIALS_FILE).exists() and man.exists() and json.loads(man.read_text()).get("complete"):
+        if (d / TRIALS_FILE).exists() and (d / MANIFEST_FILE).exists() and read_manifest(d).get("complete"):
             return d
     return None
 
@@ -166,32 +166,24 @@ class TuningLog:
 
 def read_log(work_dir: str | Path) -> TuningLog:
     """A ``ttrank tune`` work_dir: its curves, and per task the schedules that improved it."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from .donors import RECORD_FILE, WORKLOAD_FILE, _db_file
-    from .kernels import describe
-    from .util import open_text
+    from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a log is read
 
     work_dir = Path(work_dir)
     manifest = json.loads((work_dir / MANIFEST_FILE).read_text())
     curves, order = task_curves(work_dir)
     name_of = {c.workload: n for n, c in curves.items()}
     kernels, by_index = {}, {}
-    with open_text(_db_file(work_dir, WORKLOAD_FILE)) as f:
-        for i, line in enumerate(ln for ln in f if ln.strip()):
-            k = describe(ms.database.Workload.from_json(json.loads(line)).mod)
-            name = name_of.get(k.workload_hash)
-            if name:
-                k.name = name
-                kernels[name] = k
-                by_index[i] = name
-    records: dict[str, list] = {n: [] for n in kernels}
-    with open_text(_db_file(work_dir, RECORD_FILE)) as f:
-        for line in f:
-            if line.strip():
-                idx, rec = json.loads(line)
-                if idx in by_index:
-                    records[by_index[idx]].append(rec[0])
+    for i, (_, line) in enumerate(workload_lines(work_dir)):
+        k = describe(ms.database.Workload.from_json(json.loads(line)).mod)
+        name = name_of.get(k.workload_hash)
+        if name:
+            k.name = name
+            kernels[name] = k
+            by_index[i] = name
+    traces: dict[str, list] = {n: [] for n in kernels}
+    for _, rec in records(work_dir):
+        if rec is not None and rec.workload in by_index:
+            traces[by_index[rec.workload]].append(rec.trace_json)
     # trials and records are written in the same order, one each per measured candidate
     steps: dict[str, list[Step]] = {n: [] for n in kernels}
     seen: dict[str, int] = {}
@@ -200,11 +192,11 @@ def read_log(work_dir: str | Path) -> TuningLog:
         i = seen.get(name, 0)
         seen[name] = i + 1
         lat = row.get("latency_s")
-        if name not in records or i >= len(records[name]) or lat is None:
+        if name not in traces or i >= len(traces[name]) or lat is None:
             continue
         best = steps[name][-1].logged_s if steps[name] else None
         if best is None or lat < best:
-            st = Step(name, spent, t, lat, records[name][i])
+            st = Step(name, spent, t, lat, traces[name][i])
             if steps[name] and steps[name][-1].global_s == t:
                 steps[name][-1] = st  # the curve moves once per batch: keep that batch's best
             else:
@@ -241,8 +233,6 @@ def remeasured_curves(log: TuningLog, latency: dict[str, list[float | None]]
 def database_schedules(work_dir: str | Path) -> dict[str, object]:
     """workload hash -> the kernel scheduled by the database's best record for it."""
     from tvm import s_tir
-
-    from .donors import index_work_dir
 
     out = {}
     workloads, _ = index_work_dir(work_dir, top_k=1)

@@ -19,58 +19,19 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from . import locations
 from .errors import StoreError
-from .kernels import Kernel, anchor_family
+from .features import donor_features, pair_features
+from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
-from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, open_text, sha256_of
+from .target import host_cpu_model, target_key
+from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_of
+from .workdir import (MANIFEST_FILE, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, database_files, db_file,
+                      is_work_dir, read_manifest, records, task_names, workload_lines)
 
 log = logging.getLogger("ttrank")
 
 INDEX_VERSION = 3  # 3: records with annotations TVM reads as code are skipped
-WORKLOAD_FILE = "database_workload.json"
-RECORD_FILE = "database_tuning_record.json"
-FAILED_SECS = 1e9
-DATASET_DONORS = Path(__file__).resolve().parent.parent / "datasets" / "donors"
-
-
-def _db_file(work_dir: Path, name: str) -> Path | None:
-    for p in (work_dir / name, work_dir / (name + ".gz")):
-        if p.exists():
-            return p
-    return None
-
-
-def open_database(work_dir: str | Path):
-    """Open a MetaSchedule JSONDatabase work_dir (gzipped files are unpacked to a cache)."""
-    from tvm.s_tir import meta_schedule as ms
-
-    work_dir = Path(work_dir)
-    wl, rec = _db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)
-    if wl is None or rec is None:
-        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir (needs {WORKLOAD_FILE} and "
-                         f"{RECORD_FILE}, optionally .gz)")
-    if wl.suffix == ".gz" or rec.suffix == ".gz":
-        out = cache_dir() / "unpacked" / sha256_of(wl, rec)[:16]
-        for src in (wl, rec):
-            dst = out / src.name.removesuffix(".gz")
-            if not dst.exists():
-                with open_text(src) as f:
-                    atomic_write_bytes(dst, f.read().encode())
-        wl, rec = out / WORKLOAD_FILE, out / RECORD_FILE
-    # compiling with a database replays its traces: the same door as a donor's (safety.py)
-    with open_text(rec) as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                key = unsafe_annotation(json.loads(line)[1][0])
-            except (ValueError, IndexError, TypeError, KeyError):
-                continue  # malformed: TVM's loader decides
-            if key is not None:
-                raise StoreError(f"{work_dir}: record {lineno} annotates with {key!r}, which TVM's "
-                                 "code generator reads as code; refused")
-    return ms.database.JSONDatabase(path_workload=str(wl), path_tuning_record=str(rec),
-                                    allow_missing=False)
-
-
 @dataclass
 class DonorRecord:
     """One tuned schedule of one donor kernel, with provenance."""
@@ -138,8 +99,6 @@ class LoadReport:
 
 
 def _parse_target_key(target_json: Any) -> str:
-    from .target import target_key
-
     try:
         d = target_json if isinstance(target_json, dict) else json.loads(str(target_json))
         return target_key(d)
@@ -153,68 +112,54 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
 
     ``target``: keep only records whose target has the same kind/mcpu/mtriple (None: any).
     """
-    from tvm.s_tir import meta_schedule as ms
-
-    from .kernels import describe
-    from .target import target_key
+    from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a log is parsed
 
     work_dir = Path(work_dir)
     network = network or work_dir.name
     report = LoadReport(str(work_dir), network)
-    wl_path, rec_path = _db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)
-    if wl_path is None or rec_path is None:
-        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir (needs {WORKLOAD_FILE} and "
-                         f"{RECORD_FILE})")
-    names = _task_names(work_dir)
-    manifest = _manifest(work_dir)
+    wl_path, rec_path = database_files(work_dir)
+    names = task_names(work_dir)
+    manifest = read_manifest(work_dir)
     want_target = target_key(target) if target is not None else None
 
     workloads: list[DonorWorkload | None] = []
-    with open_text(wl_path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                wl_json = json.loads(line)
-                wl = ms.database.Workload.from_json(wl_json)
-                kernel = describe(wl.mod)
-            except Exception as e:  # malformed JSON, or TIR this TVM cannot parse
-                report.skip("bad workload", f"{wl_path.name}:{lineno}: {type(e).__name__}")
-                workloads.append(None)  # keep indices aligned with the records' references
-                continue
-            kernel.name = names.get(kernel.workload_hash, kernel.name)
-            workloads.append(DonorWorkload(network, kernel, wl_json))
+    for lineno, line in workload_lines(work_dir):
+        try:
+            wl_json = json.loads(line)
+            wl = ms.database.Workload.from_json(wl_json)
+            kernel = describe(wl.mod)
+        except Exception as e:  # malformed JSON, or TIR this TVM cannot parse
+            report.skip("bad workload", f"{wl_path.name}:{lineno}: {type(e).__name__}")
+            workloads.append(None)  # keep indices aligned with the records' references
+            continue
+        kernel.name = names.get(kernel.workload_hash, kernel.name)
+        workloads.append(DonorWorkload(network, kernel, wl_json))
     report.workloads = sum(1 for w in workloads if w is not None)
 
     per_wl: dict[int, list[tuple[float, Any, str]]] = defaultdict(list)
-    with open_text(rec_path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            report.records += 1
-            try:
-                idx, rec = json.loads(line)
-                trace_json, run_secs, target_json = rec[0], rec[1], rec[2]
-                secs = [float(s) for s in run_secs]
-            except Exception:
-                report.skip("malformed line", f"{rec_path.name}:{lineno}: malformed record")
-                continue
-            key = unsafe_annotation(trace_json)
-            if key is not None:  # code for TVM's code generator, not a schedule (see safety.py)
-                report.skip("unsafe annotation", f"{rec_path.name}:{lineno}: annotation {key[:60]!r}")
-                continue
-            if not (0 <= idx < len(workloads)) or workloads[idx] is None:
-                report.skip("unknown workload")
-                continue
-            tkey = _parse_target_key(target_json)
-            if want_target is not None and tkey != want_target:
-                report.skip("other target")
-                continue
-            lat = min(secs) if secs else FAILED_SECS * 10
-            if lat >= FAILED_SECS:
-                report.skip("failed trial")
-                continue
-            per_wl[idx].append((lat, trace_json, json.dumps(target_json) if not isinstance(target_json, str) else target_json))
+    for lineno, rec in records(work_dir):
+        report.records += 1
+        if rec is None:
+            report.skip("malformed line", f"{rec_path.name}:{lineno}: malformed record")
+            continue
+        key = unsafe_annotation(rec.trace_json)
+        if key is not None:  # code for TVM's code generator, not a schedule (see safety.py)
+            report.skip("unsafe annotation", f"{rec_path.name}:{lineno}: annotation {key[:60]!r}")
+            continue
+        idx = rec.workload
+        if not (0 <= idx < len(workloads)) or workloads[idx] is None:
+            report.skip("unknown workload")
+            continue
+        tkey = _parse_target_key(rec.target_json)
+        if want_target is not None and tkey != want_target:
+            report.skip("other target")
+            continue
+        if rec.failed:
+            report.skip("failed trial")
+            continue
+        target_json = rec.target_json
+        per_wl[idx].append((rec.latency_s, rec.trace_json,
+                            json.dumps(target_json) if not isinstance(target_json, str) else target_json))
 
     prov = (manifest or {}).get("provenance", {})
     out = []
@@ -238,25 +183,6 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
         log.warning("%s: skipped %s", work_dir,
                     ", ".join(f"{n} {why}" for why, n in report.skipped.items()))
     return out, report
-
-
-def _task_names(work_dir: Path) -> dict[str, str]:
-    """workload hash -> task name, from our trials log (absent in foreign logs)."""
-    from .util import read_jsonl
-
-    names = {}
-    for row in read_jsonl(work_dir / "trials.jsonl"):
-        if row.get("workload") and row.get("task"):
-            names[row["workload"]] = row["task"]
-    return names
-
-
-def _manifest(work_dir: Path) -> dict | None:
-    p = work_dir / "tune_manifest.json"
-    try:
-        return json.loads(p.read_text()) if p.exists() else None
-    except ValueError:
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,8 +218,6 @@ class DonorStore:
     def pair_features(self, target: Kernel, w: DonorWorkload, r: DonorRecord,
                       target_part: dict | None = None) -> dict[str, float]:
         """:func:`ttrank.features.pair_features`, with the record's own part computed once."""
-        from .features import donor_features, pair_features
-
         part = self._donor_features.get(r.id)
         if part is None:
             part = self._donor_features[r.id] = donor_features(w.kernel, r.trace_json)
@@ -325,12 +249,21 @@ class DonorStore:
         return DonorStore([w for w in self.workloads if w.network not in networks], self.reports)
 
 
+def shipped_work_dirs() -> list[Path]:
+    """The shipped donor datasets alone (``datasets/donors/*`` of the data home)."""
+    root = locations.shipped_donors(required=True)
+    return sorted(p for p in root.iterdir() if p.is_dir())
+
+
 def default_work_dirs() -> list[Path]:
     """The shipped donor datasets, then the donors the user added."""
     dirs = []
-    for root in (DATASET_DONORS, user_donor_dir()):
-        if root.exists():
-            dirs.extend(sorted(p for p in root.iterdir() if p.is_dir() and _db_file(p, WORKLOAD_FILE)))
+    shipped = locations.shipped_donors()
+    for root in (shipped, user_donor_dir()):
+        if root is not None and root.exists():
+            dirs.extend(sorted(p for p in root.iterdir() if p.is_dir() and is_work_dir(p)))
+    if not dirs and shipped is None:  # not "an empty store": no data was found at all
+        locations.data_home(required=True)
     return dirs
 
 
@@ -340,10 +273,7 @@ def user_donor_dir() -> Path:
 
 def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
                   ) -> tuple[list[DonorWorkload], LoadReport]:
-    from .kernels import Kernel
-    from .target import target_key
-
-    wl, rec = _db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)
+    wl, rec = db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)
     if wl is None or rec is None:
         raise StoreError(f"{work_dir}: not a MetaSchedule work_dir")
     tkey = target_key(target) if target is not None else "any"
@@ -406,27 +336,44 @@ def add_work_dir(src: str | Path, name: str | None = None, dest_root: Path | Non
     # never see one file of one version beside the other of another
     with file_lock(dest):
         for fname in (WORKLOAD_FILE, RECORD_FILE):
-            s = _db_file(src, fname)
+            s = db_file(src, fname)
             with open(s, "rb") as f:
                 data = f.read()
             if s.suffix != ".gz":
                 data = gzip.compress(data)
             atomic_write_bytes(dest / (fname + ".gz"), data)
-        for extra in ("trials.jsonl", "tune_manifest.json"):
+        for extra in (TRIALS_FILE, MANIFEST_FILE):
             if (src / extra).exists():
                 atomic_write_bytes(dest / extra, (src / extra).read_bytes())
-        if not (dest / "tune_manifest.json").exists():
-            from .target import host_cpu_model
-
-            atomic_write_json(dest / "tune_manifest.json", {
+        if not (dest / MANIFEST_FILE).exists():
+            atomic_write_json(dest / MANIFEST_FILE, {
                 "model": name or src.name, "source": str(src.resolve()),
                 "provenance": {"cpu": "unknown (added logs)", "added_on_cpu": host_cpu_model()}})
     return dest, rep
 
 
+def listing(work_dirs: list[Path] | None = None) -> tuple[DonorStore, list[dict[str, Any]]]:
+    """The store of ``work_dirs`` (default: :func:`default_work_dirs`) and, per work_dir, what
+    `ttrank donors list` shows: its manifest's summary and what was indexed."""
+    dirs = work_dirs if work_dirs is not None else default_work_dirs()
+    if not dirs:
+        raise StoreError("the donor store is empty: no work_dir under datasets/donors/ "
+                         "and none added (ttrank donors add DIR)")
+    store = DonorStore.load(dirs)
+    rows = []
+    for d, rep in zip(dirs, store.reports):
+        s = network_summary(d)
+        lat = s.get("model_latency_ms") or {}
+        rows.append({**s, "network": rep.network, "kernels": rep.workloads, "records": rep.kept,
+                     "lines": rep.records, "skipped": rep.skipped,
+                     "untuned_ms": lat.get("untuned"), "tuned_ms": lat.get("tuned"),
+                     "onnxruntime_ms": lat.get("onnxruntime")})
+    return store, rows
+
+
 def network_summary(work_dir: Path) -> dict[str, Any]:
     """What `ttrank donors list` shows for one work_dir, from its manifest."""
-    m = _manifest(work_dir) or {}
+    m = read_manifest(work_dir)
     prov = m.get("provenance", {})
     return {"network": work_dir.name, "trials": m.get("trials_done"),
             "trials_target": m.get("trials_target"), "complete": m.get("complete"),

@@ -7,6 +7,7 @@ latency (the kernel's share of the model's time). NDCG@5 uses the relevances in 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -14,9 +15,11 @@ from collections.abc import Callable
 import numpy as np
 
 from .collect import Dataset
+from .features import FEATURE_NAMES
 
 
-def _groups(ds: Dataset) -> list[tuple[int, int]]:
+def group_spans(ds: Dataset) -> list[tuple[int, int]]:
+    """(first row, end) of each kernel group of the dataset, in order."""
     out, start = [], 0
     for g in ds.groups:
         out.append((start, start + g))
@@ -50,7 +53,7 @@ def evaluate(ds: Dataset, scores: np.ndarray, rows: list[int] | None = None) -> 
     keep = set(rows) if rows is not None else None
     acc: dict[str, float] = defaultdict(float)
     total_w = 0.0
-    for a, b in _groups(ds):
+    for a, b in group_spans(ds):
         if keep is not None and a not in keep:
             continue
         lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]
@@ -66,8 +69,6 @@ def evaluate(ds: Dataset, scores: np.ndarray, rows: list[int] | None = None) -> 
 
 def baseline_scores(ds: Dataset, kind: str, seed: int = 0) -> np.ndarray:
     """Scores of the non-learned baselines on the same candidates."""
-    from .features import FEATURE_NAMES
-
     idx = {n: i for i, n in enumerate(FEATURE_NAMES)}
     X = ds.X
     if kind == "random":
@@ -89,27 +90,20 @@ PAPER_PAIRING = {"resnet18": "resnet50", "resnet50": "googlenet", "alexnet": "vg
 def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
     """Train on all networks but T, score T's candidates; T's own schedules are never candidates
     (the collector excludes them) nor training rows (T's groups are held out)."""
-    nets = ds.networks
+    # xgboost imports scikit-learn anyway; at the top it would cost every command 1.4 s of CPU
+    from sklearn.model_selection import LeaveOneGroupOut
+
+    nets = np.array([m["network"] for m in ds.meta])
     scores = np.zeros(len(ds.y), dtype=np.float32)
-    spans = _groups(ds)
     per_net = {}
-    for net in nets:
-        train_rows, train_groups, test = [], [], []
-        for a, b in spans:
-            if ds.meta[a]["network"] == net:
-                test.append((a, b))
-            else:
-                train_rows.extend(range(a, b))
-                train_groups.append(b - a)
-        if not train_groups or not test:
-            continue
+    splits = LeaveOneGroupOut().split(ds.X, groups=nets) if len(set(nets)) >= 2 else []
+    for train, test in splits:  # networks in sorted order, as ds.networks
+        net = str(nets[test[0]])
         # donors from T itself must not teach the model either
-        mask = [i for i in train_rows if ds.meta[i].get("donor_network") != net]
-        groups = _regroup(ds, mask)
-        model = make_model().fit(ds.X[mask], ds.y[mask], groups)
-        for a, b in test:
-            scores[a:b] = model.predict(ds.X[a:b])
-        per_net[net] = [a for a, _ in test]
+        mask = [i for i in train if ds.meta[i].get("donor_network") != net]
+        model = make_model().fit(ds.X[mask], ds.y[mask], _regroup(ds, mask))
+        scores[test] = model.predict(ds.X[test])
+        per_net[net] = [a for a, _ in group_spans(ds) if nets[a] == net]
     result = {"networks": {}, "average": {}}
     for net, starts in per_net.items():
         result["networks"][net] = evaluate(ds, scores, starts)
@@ -138,10 +132,8 @@ def choose_top_k(average: dict[str, float], goal: float = 0.97, min_gain: float 
 
 def _regroup(ds: Dataset, rows: list[int]) -> list[int]:
     groups, last, n = [], None, 0
-    spans = {a: b for a, b in _groups(ds)}
+    spans = {a: b for a, b in group_spans(ds)}
     starts = sorted(spans)
-    import bisect
-
     for i in rows:
         g = starts[bisect.bisect_right(starts, i) - 1]
         if g != last:

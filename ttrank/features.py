@@ -16,6 +16,7 @@ written for another version.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -64,6 +65,48 @@ def group_columns(groups: tuple[str, ...] | list[str]) -> list[int]:
     if unknown:
         raise ValueError(f"unknown feature groups {sorted(unknown)}; known: {FEATURE_GROUPS}")
     return [i for i, n in enumerate(FEATURE_NAMES) if n.split("_", 1)[0] in groups]
+
+
+# --------------------------------------------------------------------------------------------
+# tile adaptation: how a donor's tiling maps onto the target's extents. Transfer applies it;
+# the features here describe what it will do, so both read the same function.
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return tuple(sorted(set(small + [n // d for d in small])))
+
+
+@functools.lru_cache(maxsize=65536)
+def nearest_divisor(n: int, want: int) -> int:
+    """The divisor of n closest to ``want`` in ratio (ties: the smaller)."""
+    want = max(1, want)
+    return min(_divisors(n), key=lambda d: (abs(math.log(d / want)), d))
+
+
+def adapt_tiles(factors: list[int], extent: int) -> list[int]:
+    """Map a perfect tiling of another extent onto ``extent``.
+
+    Inner factors (register and vector tiles) are kept where they divide what is left, else
+    replaced by the nearest divisor; the outermost factor takes the remainder.
+    """
+    # ranking calls this for every (kernel, donor record) pair: the same few tilings and extents
+    return list(_adapt_tiles(tuple(factors), extent))
+
+
+@functools.lru_cache(maxsize=65536)
+def _adapt_tiles(factors: tuple[int, ...], extent: int) -> tuple[int, ...]:
+    if math.prod(factors) == extent:
+        return factors
+    new = [1] * len(factors)
+    rest = extent
+    for i in range(len(factors) - 1, 0, -1):
+        d = nearest_divisor(rest, factors[i])
+        new[i] = d
+        rest //= d
+    new[0] = rest
+    return tuple(new)
 
 
 def workload_features(k: Kernel, side: str) -> dict[str, float]:
@@ -182,9 +225,7 @@ def schedule_features(trace: dict[str, Any], kinds: str) -> dict[str, float]:
 
 def adapted_features(target: Kernel, trace: dict[str, Any]) -> dict[str, float]:
     """The donor's tiling as it will run on the target: each anchor loop's factors mapped onto the
-    target extent the way the transfer does it (:func:`ttrank.transfer.adapt_tiles`)."""
-    from .transfer import adapt_tiles
-
+    target extent the way the transfer does it (:func:`adapt_tiles`)."""
     f = {f"a_tile{j}_{lv}": 0.0 for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)}
     kinds = target.iter_kinds
     par = par2 = reg_s = reg_r = l1_s = 1
@@ -218,8 +259,6 @@ def adapted_features(target: Kernel, trace: dict[str, Any]) -> dict[str, float]:
 
 def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], donor_latency_s: float,
                       donor_best_s: float, rank: int) -> dict[str, float]:
-    from .transfer import adapt_tiles
-
     f = {}
     ratios = []
     for j in range(MAX_LOOPS):

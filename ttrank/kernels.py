@@ -71,7 +71,7 @@ _SUFFIX = re.compile(r"(_intermediate|_red|_sum|_rf)$")
 _REDUCTION_STAGES = ("var_sum", "sum", "mean", "red", "max", "min", "prod")
 
 
-def _norm_block_name(name: str) -> str:
+def norm_block_name(name: str) -> str:
     for stage in _REDUCTION_STAGES:
         if name.endswith("_" + stage) and re.match(r"^(lv\d*|[A-Za-z_]*\d+)_", name):
             return "reduce" if stage == "red" else stage
@@ -102,7 +102,7 @@ def _compute_op(block) -> str:
 
 
 def _block_token(block) -> str:
-    name = _norm_block_name(block.name_hint)
+    name = norm_block_name(block.name_hint)
     if name == "compute":
         return _compute_op(block)
     return name
@@ -168,7 +168,7 @@ def describe(mod, name: str | None = None, weight: int = 1) -> Kernel:
         anchor = max(blocks, key=lambda b: _iters(b), default=None)
     extents = [int(v.dom.extent) for v in anchor.iter_vars] if anchor is not None else []
     kinds = "".join("R" if v.iter_type == 2 else "S" for v in anchor.iter_vars) if anchor is not None else ""
-    anchor_op = _norm_block_name(anchor.name_hint) if anchor is not None else "empty"
+    anchor_op = norm_block_name(anchor.name_hint) if anchor is not None else "empty"
     epilogue = [_block_token(b) for b in blocks
                 if anchor is None or not b.same_as(anchor)]
     if anchor_op == "compute" and {"data_dilate", "kernel_transform"} <= set(epilogue):

@@ -24,7 +24,7 @@ from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .errors import DeviceError
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, one_cpu, probe
-from .target import cross_compiler, host_triple
+from .target import cross_compiler, host_cores, host_target_dict, host_triple, provenance
 
 log = logging.getLogger("ttrank")
 
@@ -169,8 +169,6 @@ class WarmPoolBuilder(PyBuilder):
     def __init__(self, max_workers: int | None = None, timeout_sec: float = 60.0,
                  artifact_dir: str | None = None) -> None:
         super().__init__()
-        from .target import host_cores
-
         self.max_workers = max_workers or host_cores()
         self.timeout_sec = timeout_sec
         self.artifact_dir = artifact_dir or tempfile.mkdtemp(prefix="ttrank-build-")
@@ -322,8 +320,6 @@ class RunnerSpec:
 
     def target(self) -> dict:
         """The target the key's devices report: what to compile for when none is given."""
-        from .target import host_target_dict
-
         info = self.check()
         if not info or not info.get("mcpu"):
             return host_target_dict()
@@ -336,8 +332,6 @@ class RunnerSpec:
 
     def provenance(self, target=None) -> dict[str, Any]:
         """What measured: the host's provenance, or the devices' own CPU, threads and triple."""
-        from .target import provenance
-
         prov = provenance(target)
         if self.kind != "rpc":
             return prov
@@ -506,7 +500,6 @@ class Measurer:
         return built
 
     def _run(self, mods: list, built: list[tuple[str, Any]]) -> list[Measurement]:
-        from tvm.s_tir.meta_schedule.arg_info import ArgInfo
         from tvm.s_tir.meta_schedule.runner import RunnerInput
 
         out: list[Measurement | None] = [None] * len(mods)
@@ -519,8 +512,7 @@ class Measurer:
             if status != "ok":
                 out[i] = Measurement(None, status, str(value))
                 continue
-            func = m[[gv for gv in m.functions][0]]
-            inputs.append(RunnerInput(value, "cpu", ArgInfo.from_prim_func(func)))
+            inputs.append(RunnerInput(value, "cpu", _run_args(m)))
             idx.append(i)
             paths.append(value)
         t1 = time.time()
@@ -607,6 +599,18 @@ class Measurer:
             if close is not None:  # a fleet runner's pool
                 close()
         self.builder.close()
+
+
+def _run_args(mod):
+    """The built kernel's arguments: a pre-packed (layout-rewritten) schedule is built without
+    its weight-rewrite block, so it takes the weight in the packed layout, as MetaSchedule's
+    own runner inputs say (``from_entry_func(remove_preproc=True)``)."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    try:
+        return ArgInfo.from_entry_func(mod, remove_preproc=True)
+    except Exception:  # noqa: BLE001 - no single entry function
+        return ArgInfo.from_prim_func(mod[[gv for gv in mod.functions][0]])
 
 
 def _rm(path: str) -> None:

@@ -5,10 +5,10 @@ A donor run keeps only its best few records per kernel in the store, but its tun
 every trial it measured: tens of thousands of (program, latency) pairs over hundreds of
 workloads, at no extra cost. :class:`CostModel` learns from them how close a program comes to
 the best one found for its workload (MetaSchedule's ``PerStoreFeature``, reduced to max and mean
-over buffer stores). The engine applies it to the ranker's shortlist of each kernel, after the
-donor schedules are transferred onto it, and blends the two scores; the blend weight and the
-shortlist length come from the leave-one-network-out evaluation (``ttrank.training``), which
-keeps the stage only where it helps.
+over buffer stores). Ranking (:mod:`ttrank.ranking`) applies it to the ranker's shortlist of
+each kernel, after the donor schedules are transferred onto it, and blends the two scores; the
+blend weight and the shortlist length come from the leave-one-network-out evaluation
+(``ttrank.training``), which keeps the stage only where it helps.
 """
 
 from __future__ import annotations
@@ -23,8 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from . import locations, zoo
 from .errors import RankerError, TTRankError
-from .util import cache_dir
+from .kernels import extract
+from .ranker import BoosterModel
+from .target import cpu_tensor_intrinsics, target_key
+from .transfer import transfer
+from .util import cache_dir, sha256_of
+from .workdir import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE, db_file, open_database
 
 log = logging.getLogger("ttrank")
 
@@ -39,8 +45,11 @@ def cost_model_path(ranker_path: str | Path) -> Path:
     return p.with_name(p.stem + ".costmodel.json")
 
 
-DEFAULT_COST_MODEL = cost_model_path(Path(__file__).resolve().parent.parent / "models" / "ranker.json")
-FAILED_S = 1e9  # MetaSchedule logs a failed build or run as 1e10 seconds
+
+
+def default_cost_model() -> Path:
+    """The shipped ranker's cost model (see :mod:`ttrank.locations`)."""
+    return cost_model_path(locations.shipped_ranker())
 
 
 class Featurizer:
@@ -51,7 +60,8 @@ class Featurizer:
 
         self.target = target
         self._extractor = ms.feature_extractor.PerStoreFeature(extract_workload=False)
-        self._context = ms.TuneContext(target=target)
+        with cpu_tensor_intrinsics(target):
+            self._context = ms.TuneContext(target=target)
 
     def of_candidates(self, candidates: list) -> np.ndarray:
         """``MeasureCandidate`` list -> (n, WIDTH) array; NaN rows for programs it cannot read."""
@@ -100,7 +110,7 @@ def relative_throughput(latency_s: np.ndarray, workload: np.ndarray) -> np.ndarr
     y = np.zeros(len(latency_s), dtype=np.float32)
     for w in np.unique(workload):
         idx = np.where(workload == w)[0]
-        ok = idx[latency_s[idx] < FAILED_S]
+        ok = idx[latency_s[idx] < FAILED_SECS]
         if len(ok):
             y[ok] = latency_s[ok].min() / latency_s[ok]
     return y
@@ -110,15 +120,11 @@ def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = Non
     """The trials of a donor work_dir as a :class:`RecordSet` (those tuned for ``target``, or
     if none, for the log's own machine); cached by the log's content, since extraction takes
     about 0.02 s per trial."""
-    import tvm
+    import tvm  # TVM loads slowly: only when features are extracted
     import tvm_ffi
 
-    from .donors import RECORD_FILE, WORKLOAD_FILE, _db_file, open_database
-    from .target import target_key
-    from .util import sha256_of
-
     work_dir = Path(work_dir)
-    files = [_db_file(work_dir, WORKLOAD_FILE), _db_file(work_dir, RECORD_FILE)]
+    files = [db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)]
     if None in files:
         raise RankerError(f"{work_dir}: not a MetaSchedule work_dir")
     # "own machine": sets cached before the fallback below held no trials on a new CPU
@@ -143,7 +149,7 @@ def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = Non
             continue
         secs = [float(s) for s in (r.run_secs or [])]
         X.append(featurizer.of_candidates([r.as_measure_candidate()])[0])
-        lat.append(min(secs) if secs else 10 * FAILED_S)
+        lat.append(min(secs) if secs else 10 * FAILED_SECS)
         wl.append(f"{tvm_ffi.structural_hash(r.workload.mod) & 0xFFFFFFFFFFFFFFFF:016x}")
     rs = RecordSet(work_dir.name, np.asarray(X, dtype=np.float32).reshape(-1, WIDTH),
                    np.asarray(lat, dtype=np.float64), np.asarray(wl, dtype=str))
@@ -154,7 +160,7 @@ def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = Non
     return rs
 
 
-class CostModel:
+class CostModel(BoosterModel):
     """XGBoost regression from a program vector to its relative throughput on its workload.
 
     Only the order within one target kernel matters, so the label is per workload (best / own
@@ -172,10 +178,6 @@ class CostModel:
         self.n_jobs = n_jobs
         self.booster = None
         self.metadata: dict[str, Any] = {}
-
-    def get_params(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("n_estimators", "max_depth", "learning_rate", "subsample",
-                                              "colsample_bytree", "seed", "n_jobs")}
 
     @staticmethod
     def _x(X: np.ndarray) -> np.ndarray:
@@ -204,21 +206,14 @@ class CostModel:
         return self.booster.predict(xgb.DMatrix(X))
 
     def save(self, path: str | Path, **metadata) -> Path:
-        from .ranker import write_booster
-
-        if self.booster is None:
-            raise RankerError("cannot save an unfitted cost model")
-        self.metadata = write_booster(path, self.booster, {
-            **self.metadata, **metadata, "program_feature_version": PROGRAM_FEATURE_VERSION,
-            "width": WIDTH, "params": self.get_params()})
-        return Path(path)
+        return self._write(path, "cost model", {**self.metadata, **metadata,
+                                                "program_feature_version": PROGRAM_FEATURE_VERSION,
+                                                "width": WIDTH, "params": self.get_params()})
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> CostModel:
         """Load a cost model; refuse one written for other program features."""
-        from .ranker import read_booster
-
-        path = Path(path) if path else DEFAULT_COST_MODEL
+        path = Path(path) if path else default_cost_model()
 
         def check(meta: dict) -> str | None:
             if meta.get("program_feature_version") != PROGRAM_FEATURE_VERSION or meta.get("width") != WIDTH:
@@ -227,10 +222,7 @@ class CostModel:
                         f"({WIDTH} wide): retrain it (python train.py)")
             return None
 
-        booster, meta = read_booster(path, "cost model", "python train.py writes one", check)
-        m = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
-        m.booster, m.metadata = booster, meta
-        return m
+        return cls._read(path, "cost model", "python train.py writes one", check)
 
 
 def fit_cost_model(work_dirs: Iterable[str | Path], target, exclude_networks: Iterable[str] = (),
@@ -250,13 +242,8 @@ def fit_cost_model(work_dirs: Iterable[str | Path], target, exclude_networks: It
 
 def cost_model_without(networks: Iterable[str], work_dirs: list[str | Path], target) -> CostModel:
     """:func:`fit_cost_model` leaving ``networks`` out, cached (a fit takes about a minute)."""
-    from .target import target_key
-    from .util import sha256_of
-
-    from .donors import RECORD_FILE, _db_file
-
     networks = sorted(set(networks))
-    logs = [p for p in (_db_file(Path(d), RECORD_FILE) for d in work_dirs) if p is not None]
+    logs = [p for p in (db_file(Path(d), RECORD_FILE) for d in work_dirs) if p is not None]
     key = hashlib.sha256(json.dumps([networks, sha256_of(*logs), PROGRAM_FEATURE_VERSION,
                                      target_key(target), CostModel().get_params()]).encode()).hexdigest()[:20]
     path = cache_dir() / "program_features" / "models" / f"without-{'-'.join(networks) or 'none'}-{key}.json"
@@ -285,8 +272,8 @@ def blend(ranker_scores: np.ndarray, cost_scores: np.ndarray, weight: float) -> 
 
 def rerank_spans(spans: list[tuple[int, int]], ranker_scores: np.ndarray, cost_scores: np.ndarray,
                  weight: float, shortlist: int) -> np.ndarray:
-    """What the engine does, on a dataset's groups: each group's ``shortlist`` best by the
-    ranker reordered by :func:`blend`, every shortlisted candidate above every other."""
+    """What :func:`ttrank.ranking.rerank` does, on a dataset's groups: each group's ``shortlist``
+    best by the ranker reordered by :func:`blend`, every shortlisted candidate above every other."""
     out = np.asarray(ranker_scores, dtype=np.float64).copy()
     for a, b in spans:
         order = np.argsort(-out[a:b], kind="stable")
@@ -301,19 +288,12 @@ def rerank_spans(spans: list[tuple[int, int]], ranker_scores: np.ndarray, cost_s
 
 def _record_target_key(target) -> str:
     """:func:`ttrank.target.target_key` of a tuning record's Target object."""
-    from .target import target_key
-
     return target_key({str(k): str(v) for k, v in target.export().items()})
 
 
 def candidate_vectors(ds, store, target) -> np.ndarray:
     """Program vectors of a dataset's candidates, each transferred onto its target kernel again
     (about 0.1-0.3 s each; cached per network under the cache dir, by the rows' ids)."""
-    import ttrank
-
-    from .kernels import extract
-    from .transfer import transfer
-
     featurizer = Featurizer(target)
     rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
     out = np.full((len(ds.meta), WIDTH), np.nan, dtype=np.float32)
@@ -327,7 +307,7 @@ def candidate_vectors(ds, store, target) -> np.ndarray:
             vec = {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
         else:
             try:  # rows of the user's own models have no program to rebuild: they stay NaN
-                kernels = {k.workload_hash: k for k in extract(ttrank.load(f"zoo:{net}").mod, target)}
+                kernels = {k.workload_hash: k for k in extract(zoo.load(f"zoo:{net}").mod, target)}
             except TTRankError as e:
                 log.info("no program features for %s: %s", net, e)
                 continue

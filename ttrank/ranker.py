@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import locations
 from .errors import RankerError
 from .features import FEATURE_GROUPS, FEATURE_NAMES, FEATURE_VERSION, group_columns
 from .util import atomic_write_bytes, atomic_write_json
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "ranker.json"
 OBJECTIVES = ("rank:ndcg", "rank:pairwise", "reg:squarederror")
 
 
@@ -31,7 +32,36 @@ def data_cpus(metadata: dict) -> list[str]:
     return [c.strip() for c in str(metadata.get("mcpu") or "").split(",") if c.strip()]
 
 
-class Ranker:
+class BoosterModel:
+    """An XGBoost booster, its parameters (the constructor's arguments, kept as attributes of the
+    same names: the estimator protocol scikit-learn's ``get_params`` follows) and its metadata,
+    saved as the booster's JSON beside a ``.meta.json``."""
+
+    booster: Any = None
+
+    def get_params(self) -> dict[str, Any]:
+        names = list(inspect.signature(type(self).__init__).parameters)[1:]
+        return {k: getattr(self, k) for k in names}
+
+    def _write(self, path: str | Path, what: str, meta: dict) -> Path:
+        if self.booster is None:
+            raise RankerError(f"cannot save an unfitted {what}")
+        self.metadata = write_booster(path, self.booster, meta)
+        return Path(path)
+
+    @classmethod
+    def _read(cls, path: Path, what: str, hint: str, check):
+        """The model in ``path`` (see :func:`read_booster`), made with its saved parameters."""
+        booster, meta = read_booster(path, what, hint, check)
+        try:
+            m = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
+        except (TypeError, ValueError) as e:
+            raise RankerError(f"{meta_path(path)}: unusable parameters ({e})") from None
+        m.booster, m.metadata = booster, meta
+        return m
+
+
+class Ranker(BoosterModel):
     """An XGBoost learning-to-rank model over :data:`ttrank.features.FEATURE_NAMES`.
 
     Labels are per-group relevances (:func:`relevance`); groups are target kernels.
@@ -60,12 +90,6 @@ class Ranker:
         self.booster = None
         self.metadata: dict[str, Any] = {}
         self.path: Path | None = None  # where it was loaded from (its cost model lives beside it)
-
-    def get_params(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("objective", "n_estimators", "max_depth",
-                                              "learning_rate", "subsample", "colsample_bytree", "min_child_weight",
-                                              "seed", "n_jobs",
-                                              "feature_groups")}
 
     @property
     def width(self) -> int:
@@ -112,17 +136,14 @@ class Ranker:
     # --- persistence ------------------------------------------------------------------------
     def save(self, path: str | Path, **metadata) -> Path:
         """Write the booster (XGBoost JSON) and a sidecar ``.meta.json``, both atomically."""
-        if self.booster is None:
-            raise RankerError("cannot save an unfitted ranker")
-        self.metadata = write_booster(path, self.booster, {
+        return self._write(path, "ranker", {
             "feature_version": FEATURE_VERSION, "feature_names": FEATURE_NAMES,
             "params": self.get_params(), **self.metadata, **metadata})
-        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Ranker:
         """Load a ranker; refuse one written for another feature schema."""
-        path = Path(path) if path else DEFAULT_MODEL
+        path = Path(path) if path else locations.shipped_ranker()
 
         def check(meta: dict) -> str | None:
             version = meta.get("feature_version")
@@ -131,12 +152,8 @@ class Ranker:
                         f"computes v{FEATURE_VERSION}: retrain it (ttrank train)")
             return None
 
-        booster, meta = read_booster(path, "ranker", "train one: python train.py, or ttrank train", check)
-        try:
-            r = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
-        except (TypeError, ValueError) as e:
-            raise RankerError(f"{meta_path(path)}: unusable parameters ({e})") from None
-        r.booster, r.metadata, r.path = booster, meta, path
+        r = cls._read(path, "ranker", "train one: python train.py, or ttrank train", check)
+        r.path = path
         return r
 
 

@@ -32,9 +32,18 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import measure
+from .collect import build_dataset, collect
+from .donors import DonorStore
 from .errors import DeviceError
+from .frontend import load
 from .fuzz import classify, run_cli
+from .measure import Measurer, RunnerSpec
+from .ranker import Ranker
+from .target import make_target
 from .util import finish_moves, read_jsonl
+from .workdir import read_manifest
+from .zoo import export
 
 # Modules that load TVM (measure, collect, ...) are imported inside the scenarios that need
 # them: the others drive ttrank in child processes and keep this one light.
@@ -518,8 +527,6 @@ class RpcCluster:
         return None
 
     def registered(self) -> int:
-        from .measure import RunnerSpec
-
         return RunnerSpec.from_tracker(self.address, self.key).devices()
 
 
@@ -585,8 +592,6 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
     With another device left, the run completes: the lost candidate is measured again by the
     next pass, or fails with a reason. With none left, one DeviceError, in bounded time.
     """
-    from .measure import Measurer, RunnerSpec
-
     with rpc_cluster(devices) as cluster:
         # slow enough per candidate (~1 s) that the kill lands inside a session
         # a device that does not come back within 5 s is taken as gone (the default waits 30 s)
@@ -633,15 +638,14 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
 def silent_tracker_scenario(model: str, env: dict | None = None) -> dict:
     """``ttrank recommend --rpc-tracker`` pointed at a port that never answers: one clear line,
     in bounded time (the tracker query's timeout, not forever)."""
-    from .measure import TRACKER_TIMEOUT_S
-
+    bound = measure.TRACKER_TIMEOUT_S  # read at call time: tests shorten it
     with silent_tracker() as address:
         a = ttrank("recommend", model, "--rpc-tracker", address, "--device-key", "nobody",
-                   "--no-progress", timeout=TRACKER_TIMEOUT_S + 120, env=env)
+                   "--no-progress", timeout=bound + 120, env=env)
     return {"name": "RPC tracker that never answers", **a.summary(),
-            "bound_s": TRACKER_TIMEOUT_S, "lost": 0,
+            "bound_s": bound, "lost": 0,
             "survived": a.verdict == "user_error" and "did not answer" in a.last
-            and a.seconds < TRACKER_TIMEOUT_S + 60}
+            and a.seconds < bound + 60}
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,21 +655,12 @@ def silent_tracker_scenario(model: str, env: dict | None = None) -> dict:
 def tiny_setup(work: Path, env: dict | None = None) -> tuple[Path, Path, Path]:
     """(tiny_cnn ONNX, a donor work_dir of three tiny_resnet kernels, a ranker fit on them),
     built once in ``work`` (about two minutes on one core), as the test suite's fixtures are."""
-    from .collect import build_dataset, collect
-    from .donors import DonorStore
-    from .frontend import load
-    from .measure import Measurer
-    from .ranker import Ranker
-    from .target import make_target
-    from .zoo import export
-
     work.mkdir(parents=True, exist_ok=True)
     model = work / "tiny_cnn.onnx"
     if not model.exists():
         export("tiny_cnn", model)
     donor = work / "donors" / "tiny_resnet"
-    if not (donor / "tune_manifest.json").exists() or \
-            not json.loads((donor / "tune_manifest.json").read_text()).get("complete"):
+    if not read_manifest(donor).get("complete"):
         a = ttrank("tune", "zoo:tiny_resnet", "--out", str(donor), "--trials-per-task", "6", "--only",
                    "fused_conv2d1_add1_relu1", "fused_conv2d4_add3", "fused_matmul_add8",
                    "--no-progress", env=env, timeout=1800)

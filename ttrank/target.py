@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import importlib
+import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
+import sys
+import types
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -186,3 +192,49 @@ def provenance(target=None) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
     }
+
+
+INTRINSICS_PACKAGE = "tvm.s_tir.tensor_intrin"
+# the module of tvm.s_tir.tensor_intrin that registers a CPU family's intrinsics
+_ISA_INTRINSICS = {"x86_64": "x86", "i386": "x86", "i686": "x86", "amd64": "x86",
+                   "aarch64": "arm_cpu", "arm64": "arm_cpu", "arm": "arm_cpu",
+                   "riscv64": "riscv_cpu", "riscv32": "riscv_cpu"}
+
+
+def isa_intrinsics_module(target) -> str | None:
+    """The tensor-intrinsics module a CPU target's schedule rules can use (None: not a CPU
+    target, or one this does not know, so every backend's are needed)."""
+    if target is None or target.kind.name != "llvm":
+        return None
+    triple = str(target.attrs.get("mtriple", "") or "")
+    arch = (triple.split("-", 1)[0] if triple else platform.machine()).lower()
+    if arch.startswith("armv") or arch.startswith("thumb"):
+        arch = "arm"
+    return _ISA_INTRINSICS.get(arch)
+
+
+@contextlib.contextmanager
+def cpu_tensor_intrinsics(target) -> Iterator[None]:
+    """Register only the target's own ISA's tensor intrinsics while MetaSchedule runs.
+
+    ``TuneContext`` imports ``tvm.s_tir.tensor_intrin``, whose ``__init__`` registers every
+    backend's intrinsics (CUDA, ROCm, Hexagon, Arm, x86): 30 s of TVMScript parsing on an idle
+    2-core machine and minutes on a busy one, paid by every tuning process. A CPU target's
+    schedule rules use only its ISA's (x86: VNNI/AVX-512/AMX dot products), so the package
+    stands in as an empty shell with its real path, that one module is imported into it, and
+    the shell is removed afterwards: a later full import still registers the rest."""
+    isa = isa_intrinsics_module(target)
+    if isa is None or INTRINSICS_PACKAGE in sys.modules:
+        yield
+        return
+    real = importlib.util.find_spec(INTRINSICS_PACKAGE)
+    shell = types.ModuleType(INTRINSICS_PACKAGE)
+    shell.__path__ = list(real.submodule_search_locations or [])
+    shell.__package__ = INTRINSICS_PACKAGE
+    sys.modules[INTRINSICS_PACKAGE] = shell
+    try:
+        importlib.import_module(f"{INTRINSICS_PACKAGE}.{isa}")
+        yield
+    finally:
+        if sys.modules.get(INTRINSICS_PACKAGE) is shell:
+            del sys.modules[INTRINSICS_PACKAGE]

@@ -9,37 +9,31 @@ from pathlib import Path
 
 import numpy as np
 
-from .collect import Dataset, build_dataset
-from .donors import DonorStore
-from .evaluate import KEYS, baseline_scores, choose_top_k, evaluate, leave_one_network_out
+from . import locations
+from .collect import Dataset, build_dataset, collect_networks
+from .donors import DonorStore, add_work_dir
+from .errors import TTRankError
+from .evaluate import KEYS, baseline_scores, choose_top_k, evaluate, group_spans, leave_one_network_out
 from .features import FEATURE_GROUPS
-from .ranker import DEFAULT_MODEL, OBJECTIVES, Ranker
+from .measure import Measurer
+from .programs import cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
+from .ranker import OBJECTIVES, Ranker
+from .target import make_target, provenance
 from .util import cache_dir
 
 log = logging.getLogger("ttrank")
-DATASET_MEASUREMENTS = Path(__file__).resolve().parent.parent / "datasets" / "measurements"
-
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _portable(d: Path) -> str:
-    """A measurement dir as the model's metadata keeps it: relative to the checkout if inside."""
-    d = Path(d).resolve()
-    return str(d.relative_to(REPO)) if d.is_relative_to(REPO) else str(d)
-
-
 def training_dirs(ranker: Ranker) -> list[Path] | None:
     """The measurement dirs a ranker was trained from (those that still exist), if recorded."""
     dirs = ranker.metadata.get("measurement_dirs")
     if dirs is None:
         return None
-    return [p for p in (REPO / d if not Path(d).is_absolute() else Path(d) for d in dirs) if p.exists()]
+    return [p for p in (locations.resolve(d) for d in dirs) if p.exists()]
 
 
 def default_measurement_dirs() -> list[Path]:
     """The shipped cross-measurements, then the user's own recommend runs."""
-    return [d for d in (DATASET_MEASUREMENTS, cache_dir() / "data" / "measurements") if d.exists()]
+    return [d for d in (locations.shipped_measurements(), cache_dir() / "data" / "measurements")
+            if d is not None and d.exists()]
 
 
 def data_hash(ds: Dataset) -> str:
@@ -107,10 +101,7 @@ def choose_stage2(ds: Dataset, ranker_scores: np.ndarray, cost_scores: np.ndarra
     """Leave-one-network-out: does reordering the ranker's shortlist with the program cost model
     help, and with which blend weight and shortlist length? Enabled only if it beats the ranker
     alone on the mean of top-1 and top-3 by at least half a point."""
-    from .evaluate import _groups
-    from .programs import rerank_spans
-
-    spans = _groups(ds)
+    spans = group_spans(ds)
     nets = ds.networks
 
     def average(scores) -> dict:
@@ -138,15 +129,14 @@ def choose_stage2(ds: Dataset, ranker_scores: np.ndarray, cost_scores: np.ndarra
 
 
 def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None = None,
-          out: str | Path = DEFAULT_MODEL, objectives: tuple[str, ...] = OBJECTIVES,
+          out: str | Path | None = None, objectives: tuple[str, ...] = OBJECTIVES,
           n_estimators: int = 300, ds: Dataset | None = None, programs: bool = True,
           target=None) -> dict:
     """Train and save the ranker; returns the evaluation report. ``ds``: the dataset, if the
     caller already built it from the same dirs and store. ``programs``: also evaluate the second
-    stage (:mod:`ttrank.programs`) and, if it helps, save its cost model beside the ranker."""
-    from .errors import TTRankError
-    from .target import provenance
-
+    stage (:mod:`ttrank.programs`) and, if it helps, save its cost model beside the ranker.
+    ``out``: the ranker file (default: the shipped one, :func:`ttrank.locations.shipped_ranker`)."""
+    out = Path(out) if out is not None else locations.shipped_ranker()
     store = store or DonorStore.load()
     dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
     ds = ds if ds is not None else build_dataset(dirs, store)
@@ -169,9 +159,6 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report["leave_one_network_out"] = loo or None
     stage2 = None
     if programs and len(ds.networks) >= 2:
-        from .programs import cost_model_path, fit_cost_model, loo_cost_scores
-        from .target import make_target
-
         target = target if target is not None else make_target()
         work_dirs = [Path(r.work_dir) for r in store.reports]
         cost = loo_cost_scores(ds, store, target, work_dirs)
@@ -193,7 +180,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     cpu_models = sorted({m.get("cpu") or "unknown" for m in ds.meta})
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
-                measurement_dirs=[_portable(d) for d in dirs], threads=prov.get("threads"),
+                measurement_dirs=[locations.portable(d) for d in dirs], threads=prov.get("threads"),
                 top_k=report["top_k"], stage2=report.get("stage2"),
                 cpu=", ".join(cpu_models), mcpu=", ".join(data_cpus), data_cpus=data_cpus,
                 fitted_on={"cpu": prov["cpu"], "mcpu": prov["mcpu"]}, tvm=prov["tvm"], date=prov["date"],
@@ -227,3 +214,26 @@ def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
     r.metadata = {**base.metadata, "training_networks": [n for n in ds.networks if n != network],
                   "left_out": network}
     return r
+
+
+def learn_logs(logs: list[str | Path], networks: list[str], target, budget_s: float,
+               max_per_kernel: int, on_note=None) -> list[str]:
+    """Ingest MetaSchedule work_dirs as donors (the user's store), then cross-measure their
+    schedules on ``networks`` into the user's measurement tables, where :func:`train` finds
+    them. Returns the new donor networks; ``on_note`` receives a line per step."""
+    note = on_note or (lambda line: None)
+    names = []
+    for d in logs:
+        dest, rep = add_work_dir(d)
+        names.append(dest.name)
+        note(f"ingested {d} as donor network {dest.name!r}: {rep.workloads} kernels, {rep.kept} records")
+    store = DonorStore.load(target=target)
+    new = store.without({w.network for w in store.workloads} - set(names))
+    measurer = Measurer(target)
+    try:
+        for net, st in collect_networks(networks, new, cache_dir() / "data" / "measurements", target,
+                                        measurer, budget_s, max_per_kernel=max_per_kernel):
+            note(f"{net}: measured {st.measured} new pairs ({st.valid} valid)")
+    finally:
+        measurer.close()
+    return names

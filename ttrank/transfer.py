@@ -17,17 +17,14 @@ when candidates are measured (:mod:`ttrank.measure`).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import math
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
 from .donors import DonorRecord, DonorWorkload, materialize
-from .kernels import Kernel
+from .features import adapt_tiles
+from .kernels import Kernel, norm_block_name
+from .target import cpu_tensor_intrinsics
 
 log = logging.getLogger("ttrank")
 
@@ -53,8 +50,9 @@ class TileChange:
 
 
 @dataclass
-class Candidate:
-    """A donor schedule applied to a target kernel, or the reason it could not be."""
+class Transferred:
+    """A donor schedule applied to a target kernel (the program), or the reason it could not be.
+    How the schedule was ranked is :class:`ttrank.ranking.Candidate`'s."""
 
     kernel: Kernel
     donor: DonorWorkload
@@ -66,9 +64,6 @@ class Candidate:
     tile_changes: list[TileChange] = field(default_factory=list)
     mod: Any = field(default=None, repr=False)  # the scheduled target IRModule
     trace: Any = field(default=None, repr=False)  # its s_tir.Trace (replays onto kernel.mod)
-    score: float | None = None  # the ranker's score
-    cost_score: float | None = None  # the program cost model's (second stage, shortlist only)
-    features: dict | None = field(default=None, repr=False)
 
     @property
     def id(self) -> str:
@@ -82,49 +77,11 @@ class Candidate:
         return {"kernel": self.kernel.name, "donor_network": self.donor.network,
                 "donor_kernel": self.donor.kernel.name, "donor_record": self.record.id,
                 "status": self.status, "reason": self.reason, "method": self.method,
-                "adapt": self.adapt, "tile_changes": [t.to_json() for t in self.tile_changes],
-                "score": self.score, "cost_score": self.cost_score}
+                "adapt": self.adapt, "tile_changes": [t.to_json() for t in self.tile_changes]}
 
 
 # --------------------------------------------------------------------------------------------
-# tile adaptation
-
-
-@functools.lru_cache(maxsize=4096)
-def _divisors(n: int) -> tuple[int, ...]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return tuple(sorted(set(small + [n // d for d in small])))
-
-
-@functools.lru_cache(maxsize=65536)
-def nearest_divisor(n: int, want: int) -> int:
-    """The divisor of n closest to ``want`` in ratio (ties: the smaller)."""
-    want = max(1, want)
-    return min(_divisors(n), key=lambda d: (abs(math.log(d / want)), d))
-
-
-def adapt_tiles(factors: list[int], extent: int) -> list[int]:
-    """Map a perfect tiling of another extent onto ``extent``.
-
-    Inner factors (register and vector tiles) are kept where they divide what is left, else
-    replaced by the nearest divisor; the outermost factor takes the remainder.
-    """
-    # ranking calls this for every (kernel, donor record) pair: the same few tilings and extents
-    return list(_adapt_tiles(tuple(factors), extent))
-
-
-@functools.lru_cache(maxsize=65536)
-def _adapt_tiles(factors: tuple[int, ...], extent: int) -> tuple[int, ...]:
-    if math.prod(factors) == extent:
-        return factors
-    new = [1] * len(factors)
-    rest = extent
-    for i in range(len(factors) - 1, 0, -1):
-        d = nearest_divisor(rest, factors[i])
-        new[i] = d
-        rest //= d
-    new[0] = rest
-    return tuple(new)
+# tile adaptation (the arithmetic is :func:`ttrank.features.adapt_tiles`: features score it too)
 
 
 def _strip_postproc(trace):
@@ -194,23 +151,17 @@ def _block_list(mod) -> list[str]:
     return [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
 
 
-def _block_names(mod) -> set[str]:
-    return set(_block_list(mod))
-
-
 def block_renames(donor_blocks: list[str], target_blocks: list[str]) -> dict[str, str]:
     """Donor block names the target spells differently (TE names reduction stages after their
     input variable: ``lv26_red`` in one model is ``lv375_red`` in another), matched in order
     by their normalised names."""
-    from .kernels import _norm_block_name
-
     free = [t for t in target_blocks if t not in donor_blocks]
     out = {}
     for d in donor_blocks:
         if d in target_blocks:
             continue
-        nd = _norm_block_name(d)
-        hit = next((t for t in free if _norm_block_name(t) == nd), None)
+        nd = norm_block_name(d)
+        hit = next((t for t in free if norm_block_name(t) == nd), None)
         if hit is not None:
             out[d] = hit
             free.remove(hit)
@@ -262,30 +213,13 @@ def _rename_blocks(trace, renames: dict[str, str]):
 _POSTPROCS: dict[str, list] = {}
 
 
-@contextlib.contextmanager
-def _without_tensor_intrinsics():
-    """TuneContext imports tvm.s_tir.tensor_intrin, which parses hundreds of TVMScript
-    intrinsics (30 s to minutes here); the llvm postprocessors use none of them, so a
-    placeholder module stands in while the context is made, and is removed after."""
-    name = "tvm.s_tir.tensor_intrin"
-    if name in sys.modules:
-        yield
-        return
-    stub = sys.modules[name] = types.ModuleType(name)
-    try:
-        yield
-    finally:
-        if sys.modules.get(name) is stub:
-            del sys.modules[name]
-
-
 def _postprocessors(target) -> list:
     """MetaSchedule's llvm postprocessors, initialised once per target."""
     from tvm.s_tir import meta_schedule as ms
 
     key = str(target)
     if key not in _POSTPROCS:
-        with _without_tensor_intrinsics():
+        with cpu_tensor_intrinsics(target):
             ctx = ms.TuneContext(target=target, num_threads="physical")
         procs = list(ms.postproc.Postproc.create("llvm"))
         for p in procs:
@@ -311,9 +245,9 @@ def _apply(kernel_mod, trace, method: str, target):
 
 
 def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
-             adapt: str = "ttrank") -> Candidate:
+             adapt: str = "ttrank") -> Transferred:
     """Apply ``record`` (a schedule of ``donor``) to ``kernel``; never raises for bad pairs."""
-    cand = Candidate(kernel, donor, record, adapt=adapt)
+    cand = Transferred(kernel, donor, record, adapt=adapt)
     if not kernel.compatible(donor.kernel):
         cand.reason = (f"incompatible structure: {donor.kernel.anchor_op}/{donor.kernel.iter_kinds} "
                        f"vs {kernel.anchor_op}/{kernel.iter_kinds}")

@@ -22,22 +22,22 @@ from pathlib import Path
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-from .target import make_target, provenance, runtime_threads
-from .util import STOP_REQUESTED, append_jsonl, atomic_write_json, read_jsonl, stop_at_safe_points
+from .errors import TTRankError
+from .frontend import LoadedModel
+from .kernels import describe, fuse
+from .measure import RunnerSpec, WarmPoolBuilder
+from .runtime import model_latencies
+from .target import cpu_tensor_intrinsics, make_target, provenance, runtime_threads
+from .util import STOP_REQUESTED, append_jsonl, atomic_write_bytes, stop_at_safe_points
+from .workdir import (FAILED_SECS, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, open_database, read_manifest,
+                      trials, write_manifest)
 
 log = logging.getLogger("ttrank")
 
-WORKLOAD_FILE = "database_workload.json"
-RECORD_FILE = "database_tuning_record.json"
-TRIALS_FILE = "trials.jsonl"
-MANIFEST_FILE = "tune_manifest.json"
-FAILED_SECS = 1e9  # MetaSchedule records failed trials with 1e10 s
 
 
 def repair_database(work_dir: str | Path) -> list[str]:
     """Move a torn last line of each database file to ``<file>.torn`` so the database loads."""
-    from .util import atomic_write_bytes
-
     notes = []
     for name in (WORKLOAD_FILE, RECORD_FILE):
         path = Path(work_dir) / name
@@ -144,7 +144,7 @@ class _StopTuning(Exception):
 def count_trials(work_dir: str | Path) -> dict[str, dict]:
     """Per task: trials logged and best latency, from trials.jsonl."""
     out: dict[str, dict] = {}
-    for row in read_jsonl(Path(work_dir) / TRIALS_FILE):
+    for row in trials(work_dir):
         t = out.setdefault(row["task"], {"done": 0, "best_s": None, "search_s": 0.0,
                                          "complete": False})
         if row.get("event") == "task_complete":
@@ -164,7 +164,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
          model_name: str = "model", seed: int | None = None,
          on_progress: Callable[[TuneProgress], None] | None = None,
          build_timeout_sec: float = 60.0, runner=None,
-         only: list[str] | None = None) -> TuneProgress:
+         only: list[str] | None = None, prepare: Callable | None = None) -> TuneProgress:
     """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
 
     Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
@@ -173,11 +173,11 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     ``only``: tune just the kernels whose task name contains one of these strings.
     ``runner``: a MetaSchedule Runner, or a :class:`~ttrank.measure.RunnerSpec` (over RPC, every
     device under its key measures at once, and the manifest records their CPU, not the host's).
+    ``prepare``: a function applied to the fused module before task extraction (for example
+    ``relax.transform.AttachAttrLayoutFreeBuffers()``, which lets MetaSchedule's RewriteLayout
+    pre-pack the weights).
     """
-    from tvm.s_tir import meta_schedule as ms
-
-    from .kernels import describe, fuse
-    from .measure import RunnerSpec, WarmPoolBuilder
+    from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when tuning
 
     started = time.time()
     work_dir = Path(work_dir)
@@ -187,7 +187,10 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     target = target if target is not None else make_target()
     if injective_trials is None:
         injective_trials = max(4, trials_per_task // 8)
-    extracted = ms.relax_integration.extract_tasks(fuse(mod), target)
+    fused = fuse(mod)
+    if prepare is not None:
+        fused = prepare(fused)
+    extracted = ms.relax_integration.extract_tasks(fused, target)
     if only:
         # a kernel's full name selects it alone (fused_conv2d1 is not fused_conv2d11); any
         # other string selects every kernel whose name contains it
@@ -195,8 +198,6 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
         extracted = [t for t in extracted
                      if any(t.task_name == o if o in names else o in t.task_name for o in only)]
         if not extracted:
-            from .errors import TTRankError
-
             raise TTRankError(f"--only {' '.join(only)} matches no kernel of this model")
     kernels = [describe(t.dispatched[0], t.task_name, t.weight) for t in extracted]
     order = sorted(range(len(extracted)), key=lambda i: -kernels[i].flops * kernels[i].weight)
@@ -204,7 +205,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     done = count_trials(work_dir)
     progress = TuneProgress(budget_s=budget_minutes * 60 if budget_minutes else None)
     prior_search = max((d["search_s"] for d in done.values()), default=0.0)
-    old = _read_manifest(work_dir)
+    old = read_manifest(work_dir)
     for i in order:
         k = kernels[i]
         want = trials_per_task if k.flops > 0 else injective_trials
@@ -263,7 +264,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             if on_progress:
                 on_progress(progress)
             # batches never exceed what the budget leaves, measured by this run's pace
-            with metaschedule_logging():  # it creates MetaSchedule's loggers, as tune_tasks does
+            # it creates MetaSchedule's loggers, as tune_tasks does
+            with metaschedule_logging(), cpu_tensor_intrinsics(target):
                 ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
                     [task], str(work_dir), seed=seed)
             if progress.search_started is None:
@@ -274,7 +276,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
                                           clock, on_batch))
             try:
-                with stop_at_safe_points(), metaschedule_logging():
+                with stop_at_safe_points(), metaschedule_logging(), cpu_tensor_intrinsics(target):
                     ms.tune.tune_tasks(
                         tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
                         max_trials_global=remaining, max_trials_per_task=remaining,
@@ -337,18 +339,10 @@ def metaschedule_logging():
                 ms_logger.addHandler(h)
 
 
-def _read_manifest(work_dir: Path) -> dict:
-    try:
-        return json.loads((work_dir / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
                     injective_trials: int, kernels, progress: TuneProgress,
                     prior_search: float, machine: dict | None = None) -> None:
-    path = work_dir / MANIFEST_FILE
-    old = json.loads(path.read_text()) if path.exists() else {}
+    old = read_manifest(work_dir)
     prov = machine or provenance(target)  # machine: the RPC devices' own report
     earlier_cpus = old.get("cpus") or [(old.get("provenance") or {}).get("mcpu")]
     manifest = {
@@ -374,5 +368,18 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "tasks": [{"name": t.name, "flops": t.flops, "weight": t.weight, "trials": t.done,
                    "target_trials": t.target_trials, "best_s": t.best_s} for t in progress.tasks],
     }
-    atomic_write_json(path, manifest)
+    write_manifest(work_dir, manifest)
 
+
+def measure_model(model: LoadedModel, target, work_dir: str | Path,
+                  on_start: Callable[[], None] | None = None) -> dict | None:
+    """Record the whole model's latency (untuned, tuned with the work_dir, onnxruntime) in the
+    tune manifest, once; returns it, or None when the manifest already had it."""
+    manifest = read_manifest(work_dir)
+    if manifest.get("model_latency_ms"):
+        return None
+    if on_start is not None:
+        on_start()
+    manifest["model_latency_ms"] = lat = model_latencies(model, target, open_database(work_dir))
+    write_manifest(work_dir, manifest)
+    return lat

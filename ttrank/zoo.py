@@ -16,7 +16,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import frontend
 from .errors import TTRankError
+from .util import atomic_write_bytes, cache_dir
 
 OPSET = 17
 
@@ -897,8 +899,6 @@ def build(name: str, dynamic: bool = False) -> onnx.ModelProto:
 
 def export(name: str, path: str | Path, dynamic: bool = False) -> Path:
     """Write a zoo network to an ONNX file atomically."""
-    from .util import atomic_write_bytes
-
     path = Path(path)
     atomic_write_bytes(path, build(name, dynamic).SerializeToString())
     return path
@@ -906,10 +906,16 @@ def export(name: str, path: str | Path, dynamic: bool = False) -> Path:
 
 def cached(name: str) -> Path:
     """The zoo network's ONNX file in the user cache, exported on first use."""
-    from .util import cache_dir
-
     get(name)
     path = cache_dir() / "zoo" / f"{name}.onnx"
     if not path.exists():
         export(name, path)
     return path
+
+
+def load(path, input_shapes=None, fast_math: bool = False):
+    """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:
+    {name: [dims]} for dynamic inputs; ``fast_math``: :func:`ttrank.frontend.with_fast_math`)."""
+    if isinstance(path, str) and path.startswith("zoo:"):
+        path = cached(path[4:])
+    return frontend.load(path, input_shapes, fast_math=fast_math)

@@ -1,0 +1,128 @@
+"""The packed NCHW[x]c conv lever (ttrank.layouts) and the kernel-gap driver's plumbing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ttrank import frontend, kernels, layouts, runtime
+from ttrank.target import make_target
+from ttrank.zoo import GraphBuilder
+
+
+@pytest.fixture(scope="module")
+def packed_net(tmp_path_factory):
+    """The tiny net as imported, and packed (lanes 16 whatever the host's vector width)."""
+    lm = _tiny_conv_net(tmp_path_factory.mktemp("pack"))
+    stats: dict = {}
+    packed = layouts.pack_conv2d_nchwc(lm.mod, target=make_target(), lanes=16, stats=stats)
+    return lm, packed, stats
+
+
+def _tiny_conv_net(tmp_path: Path):
+    """A conv net with every case the pass handles: 16-divisible convs (propagated packing,
+    bias and ReLU in the packed layout), a 1x1, a depthwise conv, and 3- and 8-channel convs
+    (packed one by one with their own block sizes)."""
+    g = GraphBuilder("tiny_pack", seed=3)
+    x = g.input("x", [1, 16, 12, 12])
+    y = g.relu(g.conv(x, 16, 32, 3, 1))
+    y = g.conv(y, 32, 32, 1, 1, 0)
+    y = g.relu6(g.conv(y, 32, 32, 3, 1, groups=32))
+    s = g.conv(x, 16, 3, 1, 1, 0)
+    s = g.relu(g.conv(s, 3, 8, 3, 2))
+    g.output(y)
+    g.output(s)
+    path = tmp_path / "tiny_pack.onnx"
+    path.write_bytes(g.model().SerializeToString())
+    return frontend.load(str(path))
+
+
+def test_nchwc_pass_keeps_outputs_and_yields_packed_conv_tasks(packed_net):
+    target = make_target()
+    lm, packed, stats = packed_net
+    assert stats["propagated"] == 2 and stats["depthwise"] == 1 and stats["wrapped"] == 2
+
+    ks = kernels.extract(packed, target)
+    names = [k.name for k in ks]
+    assert any(n.startswith("fused_conv2d_NCHWc") for n in names), names  # conv + bias + relu
+    assert any(n.startswith("depthwise_conv2d_NCHWc") for n in names), names
+    assert not any("conv2d_nchw" in k.anchor_op for k in ks)
+
+    # the module keeps its NCHW interface; outputs equal onnxruntime's
+    model = frontend.LoadedModel(lm.path, lm.onnx_model, lm.inputs, packed)
+    cm = runtime.CompiledModel.from_executable(runtime.compile_model(model, target), model)
+    feed = model.random_inputs(1)
+    ref = runtime.onnxruntime_reference(model, feed)
+    got = cm.run(feed)
+    for g_, r in zip(got, ref):
+        assert g_.shape == r.shape
+        np.testing.assert_allclose(g_, r, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(r))))
+
+
+def test_packed_weights_fold_to_constants(packed_net):
+    """After fusion no kernel transforms a weight: the packed weights are folded constants."""
+    from tvm import ir
+
+    fused = kernels.fuse(packed_net[1])
+    consts = (ir.Constant, ir.GenericConst)
+    packed_weights = 0
+    for b in fused["main"].body.blocks[0].bindings:
+        call = b.value
+        if not (hasattr(call, "args") and len(call.args) >= 2 and hasattr(call.args[0], "name_hint")):
+            continue
+        callee, args = call.args[0].name_hint, list(call.args[1].fields)
+        if "layout_transform" in callee:  # one whose inputs are all constants was not folded
+            assert not all(isinstance(a, consts) for a in args), f"{callee} transforms a constant"
+        if "conv2d_NCHWc" in callee:
+            packed_weights += any(isinstance(a, consts) and len(a.ty.shape) >= 5 for a in args)
+    assert packed_weights == 5  # every packed conv (5) reads a packed constant weight
+
+
+def test_block_size_and_lanes():
+    assert layouts.block_size(128, 16) == 16
+    assert layouts.block_size(3, 16) == 3
+    assert layouts.block_size(24, 16) == 12
+    assert layouts.block_size(144, 16) == 16
+    assert layouts.block_size(64, 16, cap=8) == 8
+
+
+def test_kernel_gap_one_op_models_are_the_zoo_kernels():
+    """The driver's one-op models rebuild the zoo's kernels exactly (same TIR hash)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import kernel_gap as kg
+
+    target = make_target()
+    spec = kg.KERNELS["conv1x1"]
+    lm = kg.load_onnx(kg.one_op_model(spec["op"]), "conv1x1")
+    anchor, _ = kg.anchor_of(lm.mod, target)
+    assert anchor.workload_class == spec["workload_class"] and anchor.extents == spec["extents"]
+    packed_anchor, side = kg.anchor_of(kg.lever_module(lm, "nchwc", target)[0], target)
+    assert "conv2d_NCHWc" in packed_anchor.name and side
+
+
+@pytest.mark.parametrize("kind", ["conv", "dense"])
+def test_onnxruntime_node_matching(kind):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import kernel_gap as kg
+
+    if kind == "conv":
+        op = kg.KERNELS["conv3x3"]["op"]
+        out = [[1, 128, 28, 28]]
+        nodes = [{"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128]], "outputs": out},
+                 {"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128], [1, 128, 28, 28]],
+                  "outputs": out},
+                 {"op": "Conv", "inputs": [[1, 128, 28, 28], [128, 128, 3, 3], [128]],
+                  "outputs": [[1, 128, 14, 14]]},
+                 {"op": "Conv", "inputs": [[1, 64, 56, 56], [128, 64, 3, 3], [128]], "outputs": out}]
+        # the residual-sum node and the stride-2 node are other kernels
+        assert kg.match_nodes(nodes, op) == nodes[:1]
+    else:
+        op = kg.KERNELS["dense"]["op"]
+        nodes = [{"op": "Gemm", "inputs": [[256, 768], [768]], "outputs": [[256, 768]]},
+                 {"op": "Gemm", "inputs": [[256, 768], [3072]], "outputs": [[256, 3072]]},
+                 {"op": "MatMul", "inputs": [[1, 12, 256, 64], [1, 12, 64, 256]],
+                  "outputs": [[1, 12, 256, 256]]}]
+        assert kg.match_nodes(nodes, op) == nodes[:1]

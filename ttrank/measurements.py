@@ -1,0 +1,71 @@
+"""The measurement table: one JSON line per (kernel, donor schedule) measured on a CPU.
+
+``datasets/measurements/<network>.jsonl`` (``ttrank collect``) and recommend's own tables
+(``--data-dir``) share this format; :func:`row` builds every line, and the ranker's training
+data (:mod:`ttrank.collect`) reads them back.
+"""
+
+from __future__ import annotations
+
+UNTUNED = "untuned"  # the record id of a kernel's own, untuned, schedule
+
+
+def row(network: str, kernel, status: str, latency_s: float | None, reason: str, provenance: dict,
+        transferred=None, *, untuned_s: float | None = None, scores: tuple | None = None,
+        pool: str | None = None, target_key: str | None = None, devices: list | None = None) -> dict:
+    """One line of the table: the untuned kernel when ``transferred`` is None, else a
+    transferred donor schedule (a :class:`ttrank.transfer.Transferred`). ``scores``:
+    (ranker score, cost-model score) when a ranking chose it; ``pool``: which sample the
+    collector drew it from; ``target_key``: the target the run compiled for; ``devices``: on
+    a fleet, the device that ran each timed pass (:class:`ttrank.fleet.FleetRunner`)."""
+    r = {"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
+         "class": kernel.workload_class}
+    if transferred is None:
+        r.update({"record": UNTUNED, "status": status, "latency_s": latency_s,
+                  "reason": reason[:300], "provenance": provenance})
+    else:
+        t = transferred
+        r.update({"record": t.record.id, "donor_network": t.donor.network,
+                  "donor_kernel": t.donor.kernel.name, "donor_rank": t.record.rank,
+                  "record_hash": t.record.trace_hash, "status": status, "reason": reason[:300],
+                  "latency_s": latency_s, "untuned_s": untuned_s, "method": t.method,
+                  "adapt": t.adapt, "tile_changes": len(t.tile_changes)})
+        if scores is not None:
+            r["score"], r["cost_score"] = scores
+        r["provenance"] = provenance
+        if pool is not None:
+            r["pool"] = pool
+    if target_key is not None:
+        r["target_key"] = target_key
+    if devices:
+        r["devices"] = list(devices)
+    return r
+
+
+def key(r: dict) -> tuple[str, str]:
+    """(workload, record); a record transferred another way than ttrank's gets its own key."""
+    adapt = r.get("adapt") or "ttrank"
+    return r["workload"], r["record"] if adapt == "ttrank" else f"{r['record']}@{adapt}"
+
+
+def machine_of(prov: dict) -> tuple:
+    """What a latency depends on besides the program: the CPU and the runtime's threads."""
+    return prov.get("mcpu"), prov.get("cores"), prov.get("threads")
+
+
+def is_current(r: dict, record) -> bool:
+    """Whether a row measured the schedule that ``record`` (a DonorRecord, or None) holds now
+    (rows from before hashes were kept are taken as current)."""
+    h = r.get("record_hash")
+    return h is None or record is None or h == record.trace_hash
+
+
+def same_cpu(r: dict, prov: dict) -> bool:
+    return machine_of(r.get("provenance") or {}) == machine_of(prov)
+
+
+def compact_provenance(prov: dict) -> dict:
+    """The provenance every row carries: the machine, TVM, the date and the load (over RPC,
+    the devices' key, triple and names)."""
+    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date", "load_1m",
+                                 "device_key", "device_triple", "devices") if k in prov}

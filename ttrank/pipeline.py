@@ -1,0 +1,487 @@
+"""``recommend``: the stages of transfer-tuning composed, each handing its result to the next.
+
+kernels -> rank (ranker, second stage) -> shortlist per kernel (transfer) -> measure (budgeted,
+appended to the measurement table) -> choose -> tune what transfer left untuned -> database ->
+compile -> check against onnxruntime -> time. Each stage lives in its own module; this one
+only wires them, keeps the per-kernel report and replaces the outputs as one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tvm.s_tir import meta_schedule as ms
+
+from . import measurements
+from .coverage import plan_missing
+from .donors import DonorStore, user_donor_dir
+from .errors import CheckError, TTRankError
+from .frontend import LoadedModel
+from .kernels import Kernel, extract
+from .measure import Measurer, RunnerSpec
+from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
+from .ranker import Ranker, data_cpus
+from .ranking import Candidate, Pick, SecondStage, rank_kernel, shortlist
+from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
+                      write_database)
+from .target import host_mcpu, is_foreign, make_target, provenance, target_key
+from .training import ranker_without
+from .transfer import Transferred, transfer
+from .tune import tune
+from .util import append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl
+
+# candidates per measuring batch: enough to keep both build workers busy, few enough that an
+# interruption loses little (each finished batch is appended to the measurement table)
+MEASURE_CHUNK = 8
+# recommend's default budget for tuning what no transferred schedule covers (seconds, all kernels)
+TUNE_MISSING_SECONDS = 120.0
+# the command line's default measuring budget: 3 minutes on 2 cores for ResNet-50
+MEASURE_SECONDS = 120.0
+
+Progress = Callable[[str, int, int, str], None]
+
+
+@dataclass
+class KernelReport:
+    """What happened to one kernel in a recommend run."""
+
+    name: str
+    workload_class: str
+    extents: list
+    weight: int
+    flops: float
+    untuned_s: float | None = None
+    status: str = "untuned"  # tuned / untuned / tuned-missing
+    why: str = ""
+    tuning: dict | None = None  # recommend's own MetaSchedule run: seconds, trials, before/after
+    chosen: dict | None = None  # donor network, kernel, record, rank, score, latency_s, method
+    candidates: int = 0  # compatible candidates ranked
+    top_k: int = 0  # how many of them were to be measured
+    measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
+    rejections: list = field(default_factory=list)  # (donor record, reason)
+
+    @property
+    def best_s(self) -> float | None:
+        return self.chosen["latency_s"] if self.chosen else self.untuned_s
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Result:
+    """The outcome of :func:`recommend`."""
+
+    model: str
+    kernels: list[KernelReport]
+    database: str | None
+    library: str | None
+    model_latency_ms: dict
+    max_abs_error_vs_onnxruntime: float | None
+    search_seconds: dict
+    target: str
+    compiled: object = field(default=None, repr=False)
+    provenance: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "target": self.target, "database": self.database,
+                "library": self.library, "model_latency_ms": self.model_latency_ms,
+                "max_abs_error_vs_onnxruntime": self.max_abs_error_vs_onnxruntime,
+                "search_seconds": self.search_seconds, "provenance": self.provenance,
+                "kernels": [k.to_json() for k in self.kernels]}
+
+
+
+
+def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = None,
+              ranker: Ranker | None = None, top_k: int | None = None,
+              output: str | Path | None = None, database_dir: str | Path | None = None,
+              runner: RunnerSpec | None = None, data_dir: str | Path | None = None,
+              exclude_networks=frozenset(), leave_one_out: bool = False,
+              tune_missing: float = TUNE_MISSING_SECONDS, check: bool = True, time_model: bool = True,
+              untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
+              measure_budget_s: float | None = None, on_progress: Progress | None = None,
+              on_note: Callable[[str], None] | None = None) -> Result:
+    """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
+
+    ``top_k`` defaults to the k chosen when the ranker was trained (its metadata). Kernels
+    under ``minor_share`` of the untuned model time (weight x untuned latency) get only their
+    top-1 candidate: more could not move the model's latency by more than a fraction of that.
+    With ``measure_budget_s``, measuring stops once that many seconds have gone (after at least
+    one batch): candidates are measured by rank, every kernel's first before any kernel's second,
+    and larger shares of the untuned model first, so a short budget still covers every kernel.
+    Measurements are appended to ``data_dir/measurements/<model>.jsonl`` as they finish (the
+    collector's format, so ``ttrank train`` learns from them), and a rerun reuses them.
+    ``leave_one_out``: ignore the donors of the model's own network, and refit the ranker
+    without its measurements (for evaluation). ``on_note`` receives one-line notes for the user.
+    """
+    t_start = time.time()
+    note = on_note or (lambda line: None)
+
+    def progress(phase: str, done: int, total: int, info: str = "") -> None:
+        if on_progress:
+            on_progress(phase, done, total, info)
+
+    runner = runner or RunnerSpec()
+    # over RPC, by default the target the devices report (their CPU, not the host's)
+    target = target if target is not None else make_target(runner.target() if runner.kind == "rpc" else None)
+    store = store if store is not None else DonorStore.load()
+    if not store.workloads:
+        raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
+                          "or added with `ttrank donors add DIR`")
+    ranker = ranker if ranker is not None else Ranker.load()
+    exclude_networks = set(exclude_networks)
+    if leave_one_out:
+        exclude_networks.add(model.name)
+        if model.name in ranker.metadata.get("training_networks", []):
+            note(f"leave-one-out: refitting the ranker without {model.name}'s measurements")
+            ranker = ranker_without(model.name, ranker, store)
+    if runner.kind == "local" and (why := cpu_mismatch(ranker, target, top_k)):
+        note(why)
+    # the ranker's own choice: the k its leave-one-network-out evaluation found worth measuring
+    top_k = top_k or int(ranker.metadata.get("top_k") or 3)
+    # the measuring machine's CPU: over RPC, what the devices report, never the host's
+    prov = compact_provenance(runner.provenance(target))
+    tkey = target_key(target)
+    data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
+    table = data_dir / "measurements" / f"{model.name}.jsonl"
+    db_dir = Path(database_dir) if database_dir else (
+        Path(output).with_suffix("") if output else data_dir / "databases" / model.name)
+    # a run killed while replacing these outputs left its plan: finish it, so they agree again
+    finish_moves(_commit_plan(db_dir))
+    rows = {measurements.key(r): r for r in read_jsonl(table)}  # the last row of a key counts
+    cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
+
+    # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
+    # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
+    t0 = time.time()
+    kernels = extract(model.mod, target)
+    reports: dict[str, KernelReport] = {}
+    ranked: dict[str, list[Candidate]] = {}
+    for i, k in enumerate(kernels):
+        reports[k.name] = KernelReport(k.name, k.workload_class, k.extents, k.weight, k.flops)
+        ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks)
+        reports[k.name].candidates = len(ranked[k.name])
+        progress("ranking", i + 1, len(kernels), k.name)
+    stage2 = SecondStage.of(ranker, store, target, exclude_networks)
+    t_rank = time.time() - t0
+
+    # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
+    # candidates of all kernels go through the builder together, in chunks, so both build
+    # workers stay busy; each chunk builds while the one before it runs, and each chunk's rows
+    # are appended as it finishes (Ctrl-C keeps them).
+    t0 = time.time()
+    measurer = Measurer(target, runner)
+    stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
+    try:
+        _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
+        picks, shares = {}, {}
+        for k in kernels:
+            picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
+                                                       top_k, minor_share, stage2, cached, target)
+            progress("transferring", len(picks), len(kernels), k.name)
+        fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
+                                           stamp, measure_budget_s, t0, progress)
+        chosen = {k.name: t for k in kernels
+                  if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
+    finally:
+        measurer.close()
+    t_measure = time.time() - t0
+    t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
+
+    t0 = time.time()
+    extra_db = _tune_missing(model, kernels, store, exclude_networks, chosen, reports, tune_missing,
+                             target, progress, runner)
+    t_tune = time.time() - t0
+
+    # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
+    t0 = time.time()
+    compiled, max_err = _build(model, target, db_dir, output, kernels, chosen, reports, extra_db, check)
+    t_compile = time.time() - t0
+
+    # another architecture (compiled is None): the host can neither load the model nor time it
+    lat = (_time(model, target, compiled, reports, untuned_run_limit_s, progress)
+           if time_model and compiled is not None else {})
+    return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
+                  max_err, {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
+                            "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
+                            "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
+                            "total": round(time.time() - t_start, 2)},
+                  str(target), compiled, {**provenance(target), "fast_math": model.fast_math,
+                                          "top_k": top_k, "minor_share": minor_share,
+                                          "ranker_data_cpus": data_cpus(ranker.metadata),
+                                          "measure_budget_s": measure_budget_s,
+                                          "candidates_left_unmeasured": unmeasured})
+
+
+def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
+    """A note when the ranker learned on other CPUs than the target's ("" when it did not):
+    rankings carry over between x86 CPUs, and what is measured here decides the winner."""
+    trained = data_cpus(ranker.metadata)
+    if not trained or target.attrs.get("mcpu") in trained:
+        return ""
+    return (f"note: the ranker learned from measurements on {', '.join(trained)}; this CPU is "
+            f"{target.attrs.get('mcpu') or host_mcpu()}. Its top {top_k or ranker.metadata.get('top_k', 3)} "
+            "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
+            "teach it this CPU.")
+
+
+def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, cached: dict, table: Path,
+                     reports: dict[str, KernelReport], stamp: dict) -> None:
+    """Every untuned kernel first (once each, reused across runs): their shares of the model
+    decide how many candidates each kernel gets, and their sum how the whole model is timed."""
+    need = [k for k in kernels if (k.workload_hash, UNTUNED) not in cached]
+    for k, m in zip(need, measurer.baseline().measure([k.mod for k in need]) if need else []):
+        r = cached[(k.workload_hash, UNTUNED)] = measurements.row(
+            network, k, m.status, m.latency_s, m.error, stamp["provenance"], target_key=stamp["target_key"],
+            devices=m.devices)
+        append_jsonl(table, r)
+    for k in kernels:
+        reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
+
+
+def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: dict[str, KernelReport],
+               top_k: int, minor_share: float, stage2: SecondStage | None, cached: dict, target
+               ) -> tuple[list[Pick] | None, float]:
+    """The kernel's candidates to measure (k by its share of the untuned model), and that share;
+    None when it has no candidate at all."""
+    if not ranked:
+        rep.why = "no compatible donor schedule"
+        return None, 0.0
+    total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
+    share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
+    rep.top_k = top_k if share >= minor_share else 1
+
+    def known(c: Candidate) -> dict | None:  # measured by an earlier run: counts, not again
+        r = cached.get((k.workload_hash, c.record.id))
+        if r is None or not is_current(r, c.record):
+            return None
+        if r["status"] != "ok":
+            rep.rejections.append((c.record.id, r.get("reason", r["status"])))
+        return r
+
+    return shortlist(k, ranked, rep.top_k, target, stage2 if rep.top_k > 1 else None,
+                     known, rep.rejections), share
+
+
+def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pick]], shares: dict,
+                   measurer: Measurer, table: Path, reports: dict[str, KernelReport], stamp: dict,
+                   budget_s: float | None, t0: float, progress: Progress) -> tuple[dict[int, dict], int]:
+    """Measure the transferred picks in batches: every kernel's first before any kernel's
+    second, big shares of the model first, until the budget runs out. Returns (row by
+    id(pick), candidates left unmeasured)."""
+    todo = [(k, p, i) for k in kernels for i, p in enumerate(picks[k.name] or []) if p.row is None]
+    todo.sort(key=lambda x: (x[2], -shares[x[0].name]))
+    fresh: dict[int, dict] = {}
+    chunk = MEASURE_CHUNK
+    parts: list[list] = []  # chunks handed to the measurer, not yet measured
+    measured = 0
+
+    def chunks():
+        for s in range(0, len(todo), chunk):
+            parts.append(todo[s:s + chunk])
+            yield ([p.transferred.mod for _, p, _ in parts[-1]],
+                   [(k.mod, k.workload_hash) for k, _, _ in parts[-1]])
+
+    # each chunk builds while the one before it runs; the budget is asked before each but the
+    # first runs (a chunk built ahead is then dropped unrun)
+    over = None if budget_s is None else (lambda: time.time() - t0 > budget_s)
+    for results in measurer.measure_stream(chunks(), stop=over):
+        part = parts.pop(0)
+        measured += len(part)
+        rows = []
+        for (k, p, _), m in zip(part, results):
+            c = p.candidate
+            r = fresh[id(p)] = measurements.row(
+                network, k, m.status if not m.ok else "ok", m.latency_s, m.error, stamp["provenance"],
+                p.transferred, untuned_s=reports[k.name].untuned_s, scores=(c.score, c.cost_score),
+                target_key=stamp["target_key"], devices=m.devices)  # devices: a fleet's, that ran it
+            rows.append(r)
+        append_jsonl(table, rows)
+        progress("measuring", measured, len(todo), part[-1][0].name)
+    return fresh, len(todo) - measured
+
+
+def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport,
+            target) -> Transferred | None:
+    """The fastest correct measured pick, if it beats the untuned kernel; the report says why not
+    (``picks`` None: the kernel had no candidate, as the report already says)."""
+    if picks is None:
+        return None
+    best, waited = None, 0
+    for pos, p in enumerate(picks):
+        r = p.row or fresh.get(id(p))
+        if r is None:  # its turn came after the measuring budget
+            waited += 1
+            continue
+        c = p.candidate
+        rep.measured.append({"donor": c.record.id, "rank": pos, "score": c.score,
+                             "cost_score": c.cost_score, "status": r["status"], "latency_s": r["latency_s"]})
+        if r["status"] != "ok":
+            if (c.record.id, r.get("reason")) not in rep.rejections:
+                rep.rejections.append((c.record.id, r.get("reason") or r["status"]))
+            continue
+        if best is None or r["latency_s"] < best[1]["latency_s"]:
+            best = (p, r, pos)
+    if best is None and waited and not rep.measured:
+        rep.why = "the measuring budget ran out before its turn"
+    elif best is None:
+        rep.why = "every measured candidate failed" if rep.measured else "no candidate applied to this kernel"
+    elif rep.untuned_s is not None and best[1]["latency_s"] >= rep.untuned_s:
+        rep.why = "no candidate beat the untuned kernel"
+    else:
+        p, r, pos = best
+        c = p.candidate
+        # measured in an earlier run: re-apply (deterministic)
+        t = p.transferred or transfer(c.record, k, c.donor, target)
+        if t.ok:
+            rep.status = "tuned"
+            rep.chosen = {"donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
+                          "record": t.record.id, "rank": pos, "score": c.score,
+                          "cost_score": c.cost_score, "latency_s": r["latency_s"], "method": t.method,
+                          "tile_changes": [ch.to_json() for ch in t.tile_changes]}
+            return t
+    return None
+
+
+def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, exclude_networks: set,
+                  chosen: dict[str, Transferred], reports: dict[str, KernelReport], budget_s: float,
+                  target, progress: Progress, runner: RunnerSpec | None = None):
+    """MetaSchedule for what transfer left at the default schedule, when it matters: a budget
+    split by each kernel's share of the estimated model time. The records go to the user's
+    donor store, so the next model with such a kernel gets them by transfer, and a rerun of
+    this model reuses them instead of tuning again. Over RPC (``runner``), the search measures
+    on the devices, with tune's own runner settings. Returns that database, or None."""
+    # a kernel some donor was tuned on (this one's own earlier run, say) is not tuned again
+    tuned_before = {w.kernel.workload_hash for w in store.workloads if w.network not in exclude_networks}
+    done = set(chosen) | {k.name for k in kernels if k.workload_hash in tuned_before}
+    plans = plan_missing(kernels, {n: r.best_s for n, r in reports.items()}, done, budget_s=budget_s)
+    extra_db = None
+    work = user_donor_dir() / model.name
+    remote = (dataclasses.replace(runner, number=3, repeat=1, min_repeat_ms=50)
+              if runner is not None and runner.kind == "rpc" else None)
+    for i, plan in enumerate(plans):
+        k, t_k = plan.kernel, time.time()
+        progress("tuning", i + 1, len(plans), k.name)
+        # small batches, so that the budget is checked often. MetaSchedule appends to the
+        # database itself: a second recommend of this model waits here (the lock `ttrank
+        # tune` holds), then finds the trials done
+        with file_lock(work / "tune"):
+            run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
+                       budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
+                       only=[k.name], trials_per_iter=8, runner=remote)
+        extra_db = ms.database.JSONDatabase(work_dir=str(work))
+        recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
+        rep = reports[k.name]
+        best = min(float(x) for x in recs[0].run_secs) if recs else None
+        wall = time.time() - t_k
+        rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
+                      "search_seconds": round(wall - run.setup_s, 1), "setup_s": round(run.setup_s, 1),
+                      "search_began_at": round(run.search_clock0, 3),  # on trials.jsonl's clock
+                      "trials": plan.trials, "share": round(plan.share, 4),
+                      "before_s": rep.best_s, "after_s": best, "work_dir": str(work)}
+        if best is None or (rep.best_s is not None and best >= rep.best_s):
+            rep.why = f"{rep.why}; MetaSchedule found nothing faster in {rep.tuning['seconds']:.0f} s"
+        else:
+            rep.status = "tuned-missing"
+            rep.why = (f"tuned with MetaSchedule ({rep.tuning['seconds']:.0f} s): "
+                       f"{rep.why or 'no transferred schedule'}")
+            chosen.pop(k.name, None)
+            rep.chosen = {"donor_network": "metaschedule", "donor_kernel": k.name, "record": None,
+                          "rank": 0, "score": None, "latency_s": best, "method": "tuned"}
+    return extra_db
+
+
+def _latencies(chosen: dict, reports: dict[str, KernelReport]) -> dict[str, float]:
+    return {n: reports[n].chosen["latency_s"] for n in chosen}
+
+
+def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kernel],
+           chosen: dict[str, Transferred], reports: dict[str, KernelReport], extra_db, check: bool
+           ) -> tuple[CompiledModel | None, float | None]:
+    """Write the database beside its place, compile, check; then the database and the library
+    replace the previous ones as one step (a kill between the renames is finished by the next
+    run): never a database of one run beside another's library. For another architecture
+    (cross-compiled), the host can neither load nor check the model: no CompiledModel then."""
+    staged = db_dir.with_name(f".{db_dir.name}.staged")
+    database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db)
+    ex = compile_model(model, target, database)
+    foreign = is_foreign(target)
+    compiled = None if foreign else CompiledModel.from_executable(ex, model)
+    max_err = None
+    if check and not foreign:
+        res = check_against_onnxruntime(compiled, model)
+        max_err = res.max_abs_error
+        if not res.ok:
+            culprits = _find_culprits(model, target, db_dir, [k for k in kernels if k.name in chosen],
+                                      chosen, reports)
+            shutil.rmtree(staged, ignore_errors=True)
+            raise CheckError(f"compiled outputs differ from onnxruntime (max abs error "
+                             f"{res.max_abs_error:.3g}); kernels at fault: {', '.join(culprits)}; "
+                             f"no database or library was written")
+    moves = [(staged, db_dir)]
+    try:
+        if output:
+            moves.append((export_staged(ex, output, target), Path(output)))
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    commit_moves(moves, _commit_plan(db_dir))
+    return compiled, max_err
+
+
+def _time(model: LoadedModel, target, compiled: CompiledModel, reports: dict[str, KernelReport],
+          untuned_run_limit_s: float, progress: Progress) -> dict:
+    """Whole-model latency: tuned and onnxruntime in alternation; the untuned model timed once
+    when that is cheap, else the sum of its kernels stands in."""
+    feed = model.random_inputs()
+    lat: dict = {"untuned_estimated_from_kernels": 1e3 * sum(
+        r.weight * r.untuned_s for r in reports.values() if r.untuned_s)}
+    complete = all(r.untuned_s for r in reports.values())
+    if complete and lat["untuned_estimated_from_kernels"] <= 1e3 * untuned_run_limit_s:
+        progress("timing", 0, 1, "untuned model")
+        lat["untuned"] = CompiledModel.from_executable(compile_model(model, target), model).time_ms(
+            feed, repeat=1, min_repeat_ms=0)
+        lat["untuned_source"] = "measured"
+    else:
+        lat["untuned"] = lat["untuned_estimated_from_kernels"]
+        lat["untuned_source"] = "sum of untuned kernels"
+    side = alternate_ms(model, {"tuned": compiled}, rounds=5, min_repeat_ms=200)
+    lat["tuned"], lat["onnxruntime"] = side["tuned"], side["onnxruntime"]
+    progress("timing", 1, 1, "")
+    return lat
+
+
+def _commit_plan(db_dir: Path) -> Path:
+    """Where a recommend run writes its plan for replacing its outputs (see commit_moves)."""
+    return db_dir.with_name(f".{db_dir.name}.commit.json")
+
+
+def _find_culprits(model: LoadedModel, target, db_dir: Path, tuned_kernels: list[Kernel],
+                   chosen: dict[str, Transferred], reports: dict[str, KernelReport]) -> list[str]:
+    """Bisect the transferred kernels for the ones that change the model's outputs."""
+    suspects = list(tuned_kernels)
+    probe = db_dir.with_name(f".{db_dir.name}.probe")
+    latency = _latencies(chosen, reports)
+
+    def bad(subset) -> bool:
+        db = write_database(probe, subset, {k.name: chosen[k.name] for k in subset}, target, latency)
+        cm = CompiledModel.from_executable(compile_model(model, target, db), model)
+        return not check_against_onnxruntime(cm, model).ok
+
+    try:
+        if not suspects:
+            return ["(none transferred: the untuned model itself differs)"]
+        while len(suspects) > 1:
+            half = suspects[: len(suspects) // 2]
+            suspects = half if bad(half) else suspects[len(suspects) // 2:]
+        return [suspects[0].name]
+    except Exception:
+        return [k.name for k in tuned_kernels]
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)

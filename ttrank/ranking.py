@@ -1,0 +1,128 @@
+"""Ranking: score every compatible donor schedule of a kernel, optionally reorder the top by the
+second stage (the program cost model of :mod:`ttrank.programs`), and pick the shortlist to
+measure. Nothing here measures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .donors import DonorRecord, DonorStore, DonorWorkload
+from .features import vector, workload_features
+from .kernels import Kernel
+from .programs import WIDTH, CostModel, Featurizer, blend, cost_model_without, default_cost_model
+from .ranker import Ranker
+from .transfer import Transferred, transfer
+
+
+@dataclass
+class Candidate:
+    """A donor record ranked for a target kernel: its scores and features, nothing applied."""
+
+    kernel: Kernel
+    donor: DonorWorkload
+    record: DonorRecord
+    score: float  # the ranker's
+    features: dict | None = field(default=None, repr=False)
+    cost_score: float | None = None  # the program cost model's (second stage, shortlist only)
+
+
+@dataclass
+class SecondStage:
+    """The ranker's second stage: the top ``shortlist`` candidates are transferred, their
+    programs scored by ``cost_model``, and reordered by ``weight`` x ranker + the rest x cost."""
+
+    weight: float
+    shortlist: int
+    cost_model: CostModel
+    featurizer: Featurizer
+
+    @classmethod
+    def of(cls, ranker: Ranker, store: DonorStore, target,
+           exclude_networks=frozenset()) -> SecondStage | None:
+        """The stage the ranker's evaluation kept, else None. Leave-one-out runs get a cost
+        model that never saw the excluded networks' tuning logs."""
+        st = ranker.metadata.get("stage2") or {}
+        if not st.get("enabled"):
+            return None
+        if exclude_networks:
+            cm = cost_model_without(exclude_networks, [Path(r.work_dir) for r in store.reports], target)
+        else:
+            path = Path(ranker.path).with_name(st["cost_model"]) if ranker.path else default_cost_model()
+            cm = CostModel.load(path)
+        return cls(float(st["weight"]), int(st["shortlist"]), cm, Featurizer(target))
+
+
+def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
+                exclude_networks=frozenset()) -> list[Candidate]:
+    """Every compatible donor schedule for ``kernel``, scored and sorted best first."""
+    pairs = store.compatible(kernel, set(exclude_networks))
+    if not pairs:
+        return []
+    tf = workload_features(kernel, "t")
+    feats = [store.pair_features(kernel, w, r, tf) for w, r in pairs]
+    scores = ranker.predict(np.asarray([vector(f) for f in feats], dtype=np.float32))
+    cands = [Candidate(kernel, w, r, float(s), f) for (w, r), s, f in zip(pairs, scores, feats)]
+    cands.sort(key=lambda c: -c.score)
+    return cands
+
+
+def rerank(kernel: Kernel, cands: list[Candidate], stage: SecondStage, target
+           ) -> tuple[list[Candidate], dict[str, Transferred]]:
+    """Transfer the shortlist onto ``kernel``, score the programs with the cost model and
+    reorder the shortlist by the blend. Returns (candidates, transferred by record id)."""
+    short = cands[:stage.shortlist]
+    if len(short) < 2:
+        return cands, {}
+    done, vecs = {}, []
+    for c in short:
+        t = done[c.record.id] = transfer(c.record, kernel, c.donor, target)
+        vecs.append(stage.featurizer.of_module(t.mod) if t.ok else np.full(WIDTH, np.nan, dtype=np.float32))
+    X = np.stack(vecs)
+    cost = stage.cost_model.predict(X).astype(np.float64)
+    cost[np.isnan(X).any(axis=1)] = np.nan
+    for c, v in zip(short, cost):
+        c.cost_score = None if np.isnan(v) else float(v)
+    order = np.argsort(-blend(np.array([c.score for c in short]), cost, stage.weight), kind="stable")
+    return [short[i] for i in order] + cands[stage.shortlist:], done
+
+
+@dataclass
+class Pick:
+    """A shortlisted candidate: transferred onto the kernel, or already measured (``row``, a
+    line of the measurement table from an earlier run; then not transferred here). A schedule
+    picked otherwise than by ranking (a benchmark's baseline) has no ``candidate``."""
+
+    candidate: Candidate | None
+    transferred: Transferred | None = None
+    row: dict | None = None
+
+
+def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
+              known: Callable[[Candidate], dict | None] | None = None,
+              rejected: list | None = None) -> list[Pick]:
+    """The first ``k`` candidates, in rank order (reordered by ``stage`` if given), that apply to
+    ``kernel``: transfers go in rank order until ``k`` succeed (a rejection costs little).
+    ``known(candidate)`` returns the measurement row of a candidate measured before (it counts,
+    and is not transferred again); ``rejected`` collects (record id, reason) of failed transfers."""
+    pre: dict[str, Transferred] = {}
+    if stage is not None:
+        cands, pre = rerank(kernel, cands, stage, target)
+    picks: list[Pick] = []
+    for c in cands:
+        if len(picks) >= k:
+            break
+        row = known(c) if known is not None else None
+        if row is not None:
+            picks.append(Pick(c, row=row))
+            continue
+        t = pre.get(c.record.id) or transfer(c.record, kernel, c.donor, target)
+        if not t.ok:
+            if rejected is not None:
+                rejected.append((c.record.id, t.reason))
+            continue
+        picks.append(Pick(c, t))
+    return picks

@@ -1,0 +1,271 @@
+"""Whole models: compile (untuned or with a MetaSchedule database), export, run, time against
+onnxruntime, check outputs, and write the database a compile reads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckError, OutputError, TTRankError
+from .frontend import LoadedModel
+from .target import cross_compiler, provenance, runtime_threads
+from .util import write_failure
+
+log = logging.getLogger("ttrank")
+
+
+def compile_model(model: LoadedModel, target, database=None):
+    """Compile with the default CPU pipeline, or with a MetaSchedule database's schedules."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    if database is None:
+        with tvm.transform.PassContext(opt_level=3):
+            return tvm.compile(model.mod, target=target)
+    return ms.relax_integration.compile_relax(database, model.mod, target, params=None)
+
+
+def export(executable, path: str | Path) -> Path:
+    """Export a compiled model to a shared library, atomically: when the write fails (full
+    disk, read-only folder) an :class:`OutputError` says so and the previous file is intact."""
+    path = Path(path)
+    os.replace(export_staged(executable, path), path)
+    return path
+
+
+def export_staged(executable, path: str | Path, target=None) -> Path:
+    """Export into a temp file beside ``path``, for the caller to rename into place (linked
+    by the cross compiler when ``target`` is another architecture)."""
+    path = Path(path)
+    kept = f"; the previous {path.name} is left as it was" if path.exists() else ""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".so")
+        os.close(fd)
+        executable.export_library(tmp, fcompile=cross_compiler(target))
+    except Exception as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        why = write_failure(e)
+        if why is None:
+            raise
+        raise OutputError(f"cannot write {path}: {why}{kept}") from None
+    return Path(tmp)
+
+
+class CompiledModel:
+    """A compiled model loaded in a Relax VM."""
+
+    def __init__(self, lib, inputs):
+        import tvm
+        from tvm import relax
+
+        self.dev = tvm.cpu()
+        self.vm = relax.VirtualMachine(lib, self.dev)
+        self.inputs = inputs
+
+    @classmethod
+    def load(cls, path: str | Path, model: LoadedModel) -> CompiledModel:
+        import tvm
+
+        return cls(tvm.runtime.load_module(str(path)), model.inputs)
+
+    @classmethod
+    def from_executable(cls, executable, model: LoadedModel) -> CompiledModel:
+        return cls(executable, model.inputs)
+
+    def _args(self, feed: dict[str, np.ndarray]):
+        import tvm
+
+        return [tvm.runtime.tensor(feed[s.name], self.dev) for s in self.inputs]
+
+    def run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        out = self.vm["main"](*self._args(feed))
+        return [o.numpy() for o in out] if not hasattr(out, "numpy") else [out.numpy()]
+
+    def time_ms(self, feed: dict[str, np.ndarray], repeat: int = 5, min_repeat_ms: int = 200,
+                budget_s: float = 20.0) -> float:
+        """Minimum over repeats of the mean latency (ms), with time_evaluator. A first run gauges
+        the model: a slow one (an untuned transformer takes minutes) gets fewer repeats, so
+        timing stays near ``budget_s``."""
+        self.vm.set_input("main", *self._args(feed))
+        t0 = time.perf_counter()
+        self.vm.invoke_stateful("main")
+        first = time.perf_counter() - t0
+        if repeat <= 1 and first > 1.0:  # seconds per run: warm-up effects are lost in it
+            return 1e3 * first
+        if first * repeat > budget_s:
+            if first * 2 > budget_s:
+                return 1e3 * first
+            repeat, min_repeat_ms = max(1, int(budget_s / first) - 1), 0
+        f = self.vm.time_evaluator("invoke_stateful", self.dev, number=1, repeat=repeat,
+                                   min_repeat_ms=min_repeat_ms)
+        return 1e3 * min(min(f("main").results), first)
+
+
+def onnxruntime_session(model: LoadedModel, threads: int | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or runtime_threads()  # the same threads as TVM's runtime
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.onnx_model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def onnxruntime_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return onnxruntime_session(model).run(None, feed)
+
+
+def _ort_time_ms(sess, feed: dict[str, np.ndarray], repeat: int, min_repeat_ms: int) -> float:
+    """Minimum over repeats of the mean latency (ms) of an onnxruntime session."""
+    sess.run(None, feed)
+    best = float("inf")
+    for _ in range(repeat):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            sess.run(None, feed)
+            n += 1
+            el = time.perf_counter() - t0
+            if el * 1e3 >= min_repeat_ms:
+                break
+        best = min(best, el / n)
+    return best * 1e3
+
+
+@dataclass
+class CheckResult:
+    max_abs_error: float
+    max_rel_error: float
+    outputs: int
+    ok: bool
+    atol: float
+    rtol: float
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+def check_outputs(got: list[np.ndarray], ref: list[np.ndarray], atol: float = 1e-3,
+                  rtol: float = 1e-3) -> CheckResult:
+    """Compare outputs; errors are scaled by each reference's magnitude for the verdict."""
+    if len(got) != len(ref):
+        raise CheckError(f"compiled model has {len(got)} outputs, onnxruntime {len(ref)}")
+    max_abs, max_rel, ok = 0.0, 0.0, True
+    for g, r in zip(got, ref):
+        r = np.asarray(r)
+        if g.shape != r.shape:
+            raise CheckError(f"output shape {g.shape} differs from onnxruntime's {r.shape}")
+        err = float(np.max(np.abs(g.astype(np.float64) - r))) if g.size else 0.0
+        scale = float(np.max(np.abs(r))) if r.size else 0.0
+        max_abs = max(max_abs, err)
+        max_rel = max(max_rel, err / scale if scale > 0 else err)
+        ok = ok and bool(np.allclose(g, r, atol=atol * max(1.0, scale), rtol=rtol))
+    return CheckResult(max_abs, max_rel, len(got), ok, atol, rtol)
+
+
+def check_against_onnxruntime(compiled: CompiledModel, model: LoadedModel, seed: int = 0,
+                              atol: float = 1e-3, rtol: float = 1e-3) -> CheckResult:
+    feed = model.random_inputs(seed)
+    try:
+        ref = onnxruntime_reference(model, feed)
+    except Exception as e:
+        raise TTRankError(f"onnxruntime cannot run this model, so outputs cannot be checked: "
+                          f"{str(e).splitlines()[0][:300]}") from None
+    return check_outputs(compiled.run(feed), ref, atol, rtol)
+
+
+def model_latencies(model: LoadedModel, target, database=None, repeat: int = 3,
+                    untuned: bool = True) -> dict:
+    """Whole-model latency (ms): untuned, with the database, and onnxruntime, side by side."""
+    feed = model.random_inputs()
+    out: dict = {}
+    if untuned:
+        out["untuned"] = CompiledModel.from_executable(compile_model(model, target), model).time_ms(
+            feed, repeat=repeat, min_repeat_ms=0)
+    built = {}
+    if database is not None:
+        built["tuned"] = CompiledModel.from_executable(compile_model(model, target, database), model)
+        out["check_max_abs_error"] = check_against_onnxruntime(built["tuned"], model).max_abs_error
+    out.update(alternate_ms(model, built, rounds=repeat, min_repeat_ms=200))
+    out["provenance"] = provenance(target)
+    return out
+
+
+def time_side_by_side(model: LoadedModel, target, databases: dict, rounds: int = 3,
+                      onnxruntime: bool = True, min_repeat_ms: int = 300) -> dict[str, float]:
+    """Whole-model latency (ms) of several builds, timed in alternation, min over rounds.
+
+    ``databases``: label -> a MetaSchedule database, or None for the default (untuned) pipeline.
+    """
+    built = {label: CompiledModel.from_executable(compile_model(model, target, db), model)
+             for label, db in databases.items()}
+    return alternate_ms(model, built, rounds, onnxruntime, min_repeat_ms)
+
+
+def alternate_ms(model: LoadedModel, built: dict[str, CompiledModel], rounds: int = 3,
+                 onnxruntime: bool = True, min_repeat_ms: int = 300) -> dict[str, float]:
+    """Time compiled models (and onnxruntime) in alternation, min over rounds (ms): on a shared
+    machine a slow stretch then hits every contender alike, not just the one timed in it."""
+    feed = model.random_inputs()
+    best: dict[str, float] = {}
+    sess = onnxruntime_session(model) if onnxruntime else None
+    for _ in range(rounds):
+        for label, cm in built.items():
+            t = cm.time_ms(feed, repeat=1, min_repeat_ms=min_repeat_ms)
+            best[label] = min(best.get(label, t), t)
+        if sess is not None:
+            t = _ort_time_ms(sess, feed, repeat=1, min_repeat_ms=min_repeat_ms)
+            best["onnxruntime"] = min(best.get("onnxruntime", t), t)
+    return best
+
+
+def write_database(db_dir: Path, kernels, chosen: dict, target, latency_s: dict | None = None,
+                   extra_db=None):
+    """A fresh JSONDatabase holding one record per chosen kernel (written beside, then swapped).
+
+    ``chosen``: kernel name -> a transferred schedule (its ``trace``); ``latency_s``: kernel name
+    -> its measured latency, the record's run time (1 s when unknown); ``extra_db``: a database
+    whose best record stands for a kernel nothing was chosen for."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    db_dir = Path(db_dir)
+    tmp = db_dir.with_name(f".{db_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    db = ms.database.JSONDatabase(work_dir=str(tmp))
+    for k in kernels:
+        func = k.mod[[gv for gv in k.mod.functions][0]]
+        if k.name in chosen:
+            c = chosen[k.name]
+            lat = (latency_s or {}).get(k.name, 1.0)
+            wl = db.commit_workload(k.mod)
+            db.commit_tuning_record(ms.database.TuningRecord(
+                c.trace, wl, [float(lat)], target, ArgInfo.from_prim_func(func)))
+        elif extra_db is not None and extra_db.has_workload(k.mod):
+            for rec in extra_db.get_top_k(extra_db.commit_workload(k.mod), 1):
+                wl = db.commit_workload(k.mod)
+                db.commit_tuning_record(ms.database.TuningRecord(
+                    rec.trace, wl, rec.run_secs, target, ArgInfo.from_prim_func(func)))
+    _swap_dir(tmp, db_dir)
+    return ms.database.JSONDatabase(work_dir=str(db_dir))
+
+
+def _swap_dir(src: Path, dst: Path) -> None:
+    """Replace folder ``dst`` by ``src`` with renames (the old one is removed afterwards)."""
+    old = dst.with_name(f".{dst.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        dst.rename(old)
+    src.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)

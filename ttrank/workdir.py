@@ -1,0 +1,143 @@
+"""The MetaSchedule work_dir format, read and written in one place.
+
+A work_dir is MetaSchedule's JSONDatabase (``database_workload.json`` and
+``database_tuning_record.json``, either optionally gzipped) plus what ``ttrank tune`` adds:
+``trials.jsonl`` (every trial with its cumulative search time) and ``tune_manifest.json``.
+Donor logs from others are data: parsed as JSON here, never evaluated (see :mod:`ttrank.safety`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import StoreError
+from .safety import unsafe_annotation
+from .util import atomic_write_bytes, atomic_write_json, cache_dir, open_text, read_jsonl, sha256_of
+
+WORKLOAD_FILE = "database_workload.json"
+RECORD_FILE = "database_tuning_record.json"
+TRIALS_FILE = "trials.jsonl"
+MANIFEST_FILE = "tune_manifest.json"
+# MetaSchedule records a failed build or run as 1e10 s; anything from 1e9 s on is a failure
+FAILED_SECS = 1e9
+
+
+def db_file(work_dir: str | Path, name: str) -> Path | None:
+    """``work_dir/name``, or its gzipped copy, whichever exists."""
+    work_dir = Path(work_dir)
+    for p in (work_dir / name, work_dir / (name + ".gz")):
+        if p.exists():
+            return p
+    return None
+
+
+def is_work_dir(path: str | Path) -> bool:
+    return db_file(path, WORKLOAD_FILE) is not None
+
+
+def database_files(work_dir: str | Path, what: str = "") -> tuple[Path, Path]:
+    """(workload file, record file) of a work_dir, or a :class:`StoreError` naming both."""
+    wl, rec = db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)
+    if wl is None or rec is None:
+        raise StoreError(f"{work_dir}: not a MetaSchedule work_dir (needs {WORKLOAD_FILE} and "
+                         f"{RECORD_FILE}{what})")
+    return wl, rec
+
+
+@dataclass
+class Record:
+    """One line of the record file: a trace of the ``workload``-th workload and its run times."""
+
+    lineno: int
+    workload: int
+    trace_json: Any
+    run_secs: list[float]
+    target_json: Any
+
+    @property
+    def latency_s(self) -> float:
+        """The best run (a record with no runs counts as failed)."""
+        return min(self.run_secs) if self.run_secs else FAILED_SECS * 10
+
+    @property
+    def failed(self) -> bool:
+        return self.latency_s >= FAILED_SECS
+
+
+def workload_lines(work_dir: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of each non-blank line of the workload file; the records refer to
+    workloads by their position in this sequence."""
+    with open_text(db_file(work_dir, WORKLOAD_FILE)) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def records(work_dir: str | Path) -> Iterator[tuple[int, Record | None]]:
+    """(line number, :class:`Record`) of each non-blank line of the record file; None for a
+    line that is not a record (the caller decides whether that matters)."""
+    with open_text(db_file(work_dir, RECORD_FILE)) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                idx, rec = json.loads(line)
+                yield lineno, Record(lineno, idx, rec[0], [float(s) for s in rec[1]], rec[2])
+            except Exception:
+                yield lineno, None
+
+
+def open_database(work_dir: str | Path):
+    """Open a work_dir as TVM's JSONDatabase (gzipped files are unpacked to a cache), refusing
+    one whose records carry annotations TVM's code generator reads as code."""
+    from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a database is opened
+
+    work_dir = Path(work_dir)
+    wl, rec = database_files(work_dir, ", optionally .gz")
+    if wl.suffix == ".gz" or rec.suffix == ".gz":
+        out = cache_dir() / "unpacked" / sha256_of(wl, rec)[:16]
+        for src in (wl, rec):
+            dst = out / src.name.removesuffix(".gz")
+            if not dst.exists():
+                with open_text(src) as f:
+                    atomic_write_bytes(dst, f.read().encode())
+        wl, rec = out / WORKLOAD_FILE, out / RECORD_FILE
+    # compiling with a database replays its traces: the same door as a donor's (safety.py)
+    with open_text(rec) as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                key = unsafe_annotation(json.loads(line)[1][0])
+            except (ValueError, IndexError, TypeError, KeyError):
+                continue  # malformed: TVM's loader decides
+            if key is not None:
+                raise StoreError(f"{work_dir}: record {lineno} annotates with {key!r}, which TVM's "
+                                 "code generator reads as code; refused")
+    return ms.database.JSONDatabase(path_workload=str(wl), path_tuning_record=str(rec),
+                                    allow_missing=False)
+
+
+def read_manifest(work_dir: str | Path) -> dict:
+    """``tune_manifest.json`` ({} when absent or unreadable)."""
+    try:
+        return json.loads((Path(work_dir) / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_manifest(work_dir: str | Path, manifest: dict) -> None:
+    atomic_write_json(Path(work_dir) / MANIFEST_FILE, manifest)
+
+
+def trials(work_dir: str | Path) -> Iterator[dict]:
+    """The rows of ``trials.jsonl`` (none when absent)."""
+    return read_jsonl(Path(work_dir) / TRIALS_FILE)
+
+
+def task_names(work_dir: str | Path) -> dict[str, str]:
+    """workload hash -> task name, from the trials log (absent in foreign logs)."""
+    return {row["workload"]: row["task"] for row in trials(work_dir)
+            if row.get("workload") and row.get("task")}
