@@ -190,16 +190,17 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
     import ttrank.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "MEASURE_CHUNK", 1)
-    real, calls, stop = measure.Measurer.measure, [], [True]
+    real, calls, stop = measure.Measurer._build, [], [True]
 
-    def interrupted(self, mods, *a, **kw):
-        if kw.get("references") is not None:  # a batch of transferred candidates
+    # the second batch's build (done while the first runs) is where Ctrl-C lands
+    def interrupted(self, mods, reference=None, reference_key="", references=None):
+        if references is not None:  # a batch of transferred candidates
             calls.append(len(mods))
             if len(calls) == 2 and stop and stop.pop():
                 raise KeyboardInterrupt
-        return real(self, mods, *a, **kw)
+        return real(self, mods, reference, reference_key, references)
 
-    monkeypatch.setattr(measure.Measurer, "measure", interrupted)
+    monkeypatch.setattr(measure.Measurer, "_build", interrupted)
     kw = dict(store=donors.DonorStore.load([donor_dir]), ranker=Ranker.load(trained), top_k=2,
               data_dir=tmp_path / "data", database_dir=tmp_path / "db", time_model=False,
               tune_missing=0)

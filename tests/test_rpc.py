@@ -2,54 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 
-from ttrank import frontend, kernels, measure
+from ttrank import fleet, frontend, kernels, measure
 from ttrank.target import make_target
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _server_registered(port: int, key: str) -> bool:
-    from tvm import rpc
-
-    try:
-        summary = rpc.connect_tracker("127.0.0.1", port).summary()
-    except Exception:
-        return False
-    return any(q == key and info["free"] > 0 for q, info in summary["queue_info"].items())
 
 
 @pytest.fixture
 def tracker():
-    tport, sport, key = _free_port(), _free_port(), "ttrank-test"
-    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
-                               "--port", str(tport), "--port-end", str(tport + 1)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    time.sleep(1.0)
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{tport}", "--key", key,
-         "--host", "127.0.0.1", "--port", str(sport), "--port-end", str(sport + 1)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    try:
-        deadline = time.time() + 60
-        while not _server_registered(tport, key):
-            assert time.time() < deadline, "the RPC server did not register with the tracker"
-            time.sleep(0.5)
-        yield f"127.0.0.1:{tport}", key
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    # fleet.local_fleet kills each process group: TVM's tracker and server each run in a child
+    with fleet.local_fleet(1, key="ttrank-test") as f:
+        yield f.address, f.tracker.key
 
 
 def test_measure_through_rpc_tracker(tracker, tiny_cnn):

@@ -22,7 +22,7 @@ from .frontend import onnx_complaint
 from .measure import Measurer, RunnerSpec
 from .pipeline import MEASURE_SECONDS
 from .ranker import Ranker
-from .target import machine_busy, make_target
+from .target import cross_compiler, machine_busy, make_target
 from .util import atomic_write_json, cache_dir, on_sigint, say
 from .workdir import open_database
 
@@ -53,7 +53,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
                    help="bind an input's dims (repeatable), e.g. input:1,3,224,224")
     p.add_argument("--target", default=None,
-                   help="TVM target as a JSON dict (default: detected from this host)")
+                   help="TVM target as a JSON dict or in TVM's command-line form, e.g. 'llvm "
+                        "-mtriple=aarch64-linux-gnu -mattr=+neon' (default: this host, or with "
+                        "--rpc-tracker what the devices report)")
     p.add_argument("--fast-math", action="store_true",
                    help="vectorisable approximations of exp/sigmoid/erf/tanh/GELU (error ~1e-6; "
                         "much faster swish and GELU epilogues)")
@@ -188,8 +190,10 @@ def cmd_tune(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     con = _console()
+    # MetaSchedule's own tuning runner settings, on the fleet's devices with --rpc-tracker
+    runner = _runner_spec(args, cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
-    target = make_target(args.target)
+    target = _make_target(args, runner)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
     why = util.writable_dir(args.out)
     if why:
@@ -215,7 +219,8 @@ def cmd_tune(args) -> int:
         prog = tune.tune(model.mod, args.out, trials_per_task=args.trials_per_task,
                          budget_minutes=args.budget_minutes, target=target, model_name=name,
                          injective_trials=args.injective_trials, seed=args.seed,
-                         on_progress=on_progress, only=args.only)
+                         on_progress=on_progress, only=args.only,
+                         runner=runner if runner.kind == "rpc" else None)
     complete = prog.trials_done >= prog.trials_total
     if complete and args.measure_model:
         lat = tune.measure_model(model, target, args.out, on_start=lambda: con.print(
@@ -314,15 +319,35 @@ def cmd_donors(args) -> int:
     return 0
 
 
-def _runner_spec(args):
-    """The runner the flags ask for; a remote one is checked at once (tracker up, device there)."""
+def _runner_spec(args, **kw):
+    """The runner the flags ask for; a remote one is checked at once (tracker up, a device
+    there within --device-wait, one CPU under the key)."""
     if getattr(args, "rpc_tracker", None):
         if not args.device_key:
             raise TTRankError("--rpc-tracker needs --device-key KEY")
-        spec = RunnerSpec.from_tracker(args.rpc_tracker, args.device_key)
+        spec = RunnerSpec.from_tracker(args.rpc_tracker, args.device_key,
+                                       device_wait_s=args.device_wait, **kw)
         spec.check()
         return spec
-    return RunnerSpec()
+    return RunnerSpec(**kw)
+
+
+def _make_target(args, runner):
+    """--target, else over RPC what the devices report (their CPU, not the host's); another
+    architecture's linker is checked for now, not after the first batch."""
+    target = make_target(runner.target() if args.target is None and runner.kind == "rpc" else args.target)
+    if cross_compiler(target) is not None and runner.kind == "local":
+        raise TTRankError(f"the target is {target.attrs['mtriple']}, which this host cannot run: "
+                          "measure on such a device with --rpc-tracker HOST:PORT --device-key KEY")
+    return target
+
+
+def _add_rpc_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpc-tracker", metavar="HOST:PORT",
+                   help="measure on every device under --device-key at this TVM RPC tracker, at once")
+    p.add_argument("--device-key", help="the devices' key at the tracker (one kind of device)")
+    p.add_argument("--device-wait", type=float, default=30.0, metavar="S",
+                   help="how long to wait for a device under the key to register (default 30)")
 
 
 def _check_output_space(model, library: Path, *more_folders: Path) -> None:
@@ -359,7 +384,7 @@ def cmd_recommend(args) -> int:
     con = _console()
     runner = _runner_spec(args)  # a tracker that is down says so before any work
     model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
-    target = make_target(args.target)
+    target = _make_target(args, runner)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
     store = donors.DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
@@ -467,11 +492,14 @@ def cmd_train(args) -> int:
 
 def cmd_collect(args) -> int:
     con = _console()
-    target = make_target(args.target)
+    runner = _runner_spec(args, repeat=max(1, args.repeat // args.rounds), rounds=args.rounds)
+    target = _make_target(args, runner)
     store = donors.DonorStore.load(args.donors or None, target=target)
-    measurer = Measurer(target, RunnerSpec(repeat=max(1, args.repeat // args.rounds), rounds=args.rounds))
+    measurer = Measurer(target, runner)
     busy = machine_busy()
-    if busy:  # these latencies become training labels: say so, the rows record the load too
+    # these latencies become training labels: say so, the rows record the load too (a fleet's
+    # devices are not this machine)
+    if busy and runner.kind == "local":
         con.print(f"[yellow]warning: {busy}; measurements taken now will be noisy[/yellow]")
     out = args.out or locations.shipped_measurements(required=True)
     done = 0
@@ -545,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--measure-model", action="store_true",
                    help="when tuning completes, time the whole model untuned/tuned/onnxruntime")
+    _add_rpc_args(t)
     t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("donors", help="the donor schedule store")
@@ -582,8 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds (all kernels together) for tuning with MetaSchedule the kernels that "
                         "no transferred schedule covers, split by their share of the model time; "
                         "0 turns it off (default: 120)")
-    r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on a device behind a TVM RPC tracker")
-    r.add_argument("--device-key", help="the device's key at the tracker")
+    _add_rpc_args(r)
     r.add_argument("--data-dir", help="where measurements accumulate (default: ~/.cache/ttrank/data)")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=cmd_recommend)
@@ -615,10 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "over (default 5). On a shared machine a parallel kernel runs 2x slow for "
                          "stretches of seconds; back-to-back repeats of one candidate can all land "
                          "in one (bench/results/measure_noise.json)")
-    co.add_argument("--target", default=None)
+    co.add_argument("--target", default=None,
+                    help="TVM target (JSON or command-line form; default: this host, or with "
+                         "--rpc-tracker what the devices report)")
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")
     co.add_argument("--quiet", action="store_true")
+    _add_rpc_args(co)
     co.set_defaults(func=cmd_collect)
     return p
 

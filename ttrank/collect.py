@@ -80,11 +80,23 @@ def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]
                    target, network: str, untuned_s: float | None, prov: dict,
                    adapt: str = "ttrank") -> list[dict]:
     """Transfer and measure each pair on ``kernel``; one row per pair."""
-    cands = [transfer(r, kernel, w, target, adapt=adapt) for w, r in pairs]
+    cands = transfer_pairs(kernel, pairs, target, adapt)
     valid = [c for c in cands if c.ok]
     results = measurer.measure([c.mod for c in valid], reference=kernel.mod,
                                reference_key=kernel.workload_hash) if valid else []
-    res_of = {id(c): m for c, m in zip(valid, results)}
+    return candidate_rows(kernel, cands, results, network, untuned_s, prov)
+
+
+def transfer_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], target,
+                   adapt: str = "ttrank") -> list:
+    return [transfer(r, kernel, w, target, adapt=adapt) for w, r in pairs]
+
+
+def candidate_rows(kernel: Kernel, cands: list, results: list, network: str,
+                   untuned_s: float | None, prov: dict) -> list[dict]:
+    """One row per transferred candidate; ``results`` are the measurements of those that
+    applied (``c.ok``), in order."""
+    res_of = {id(c): m for c, m in zip([c for c in cands if c.ok], results)}
     rows = []
     for c in cands:
         m = res_of.get(id(c))
@@ -94,8 +106,10 @@ def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]
             status, lat, reason = "ok", m.latency_s, ""
         else:
             status, lat, reason = m.status, None, m.error
+        # a fleet: which devices ran it
         rows.append(measurements.row(network, kernel, status, lat, reason, prov, c, untuned_s=untuned_s,
-                                     pool="paper" if adapt == "tvm" else "ranked"))
+                                     pool="paper" if c.adapt == "tvm" else "ranked",
+                                     devices=m.devices if m is not None else None))
     return rows
 
 
@@ -113,8 +127,9 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     table = out_dir / f"{network}.jsonl"
     kernels = [k for k in extract(model.mod, target) if k.tunable]
     atomic_write_json(out_dir / "kernels" / f"{network}.json", [k.to_json() for k in kernels])
-    prov = compact_provenance(provenance(target))
     spec = getattr(measurer, "spec", None)
+    # the measuring machine's CPU: over RPC, what the devices report, never the host's
+    prov = compact_provenance(spec.provenance(target) if spec is not None else provenance(target))
     if spec is not None:  # how each latency was taken
         prov["runner"] = spec.protocol()
     # rows measured on another CPU (or thread count) do not count as done: this one gets its own
@@ -126,41 +141,51 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     t0 = time.time()
     exclude = {network} if exclude_self else set()
     baseline = measurer.baseline()
-    for i, k in enumerate(kernels):
+    jobs: list[tuple[int, Kernel, list]] = []  # batches handed out, not yet measured
+
+    def over_budget() -> bool:
         if budget_s is not None and time.time() - t0 > budget_s:
             stats.stopped_by_budget = True
-            break
-        if k.workload_hash not in untuned:
-            m = baseline.measure([k.mod])[0]
-            untuned[k.workload_hash] = m.latency_s
-            append_jsonl(table, measurements.row(network, k, m.status, m.latency_s, m.error, prov))
-        pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
-        todo = [(w, r, "ttrank") for w, r in pairs if (k.workload_hash, r.id) not in done]
-        paper = [] if paper_donor == network else paper_pairs(k, store, paper_donor)
-        todo += [(w, r, "tvm") for w, r in paper if (k.workload_hash, f"{r.id}@tvm") not in done]
-        stats.skipped_existing += len(pairs) + len(paper) - len(todo)
-        for s in range(0, len(todo), batch):
-            if budget_s is not None and time.time() - t0 > budget_s:
-                stats.stopped_by_budget = True
-                break
-            chunk = todo[s:s + batch]
-            rows = []
-            for adapt in ("ttrank", "tvm"):
-                part = [(w, r) for w, r, a in chunk if a == adapt]
-                if part:
-                    rows += measure_kernel(k, part, measurer, target, network,
-                                           untuned[k.workload_hash], prov, adapt=adapt)
-            append_jsonl(table, rows)
-            for r in rows:
-                done.add(measurement_key(r))
-                stats.measured += 1
-                stats.valid += r["status"] == "ok"
-                stats.wrong += r["status"] == "wrong_result"
-                stats.rejected += r["status"] not in ("ok", "wrong_result")
-            if on_progress:
-                on_progress(stats, i)
-        if stats.stopped_by_budget:
-            break
+        return stats.stopped_by_budget
+
+    def batches():
+        """Each kernel's untuned baseline, then its candidates in batches (transferred here,
+        built by the measurer ahead of the batch that runs)."""
+        for i, k in enumerate(kernels):
+            if over_budget():
+                return
+            if k.workload_hash not in untuned:
+                m = baseline.measure([k.mod])[0]
+                untuned[k.workload_hash] = m.latency_s
+                append_jsonl(table, measurements.row(network, k, m.status, m.latency_s, m.error, prov))
+            pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
+            todo = [(w, r, "ttrank") for w, r in pairs if (k.workload_hash, r.id) not in done]
+            paper = [] if paper_donor == network else paper_pairs(k, store, paper_donor)
+            todo += [(w, r, "tvm") for w, r in paper if (k.workload_hash, f"{r.id}@tvm") not in done]
+            stats.skipped_existing += len(pairs) + len(paper) - len(todo)
+            for s in range(0, len(todo), batch):
+                if over_budget():
+                    return
+                cands = []
+                for adapt in ("ttrank", "tvm"):
+                    part = [(w, r) for w, r, a in todo[s:s + batch] if a == adapt]
+                    cands += transfer_pairs(k, part, target, adapt) if part else []
+                jobs.append((i, k, cands))
+                valid = [c for c in cands if c.ok]
+                yield [c.mod for c in valid], [(k.mod, k.workload_hash)] * len(valid)
+
+    for results in measurer.measure_stream(batches()):
+        i, k, cands = jobs.pop(0)
+        rows = candidate_rows(k, cands, results, network, untuned[k.workload_hash], prov)
+        append_jsonl(table, rows)
+        for r in rows:
+            done.add(measurement_key(r))
+            stats.measured += 1
+            stats.valid += r["status"] == "ok"
+            stats.wrong += r["status"] == "wrong_result"
+            stats.rejected += r["status"] not in ("ok", "wrong_result")
+        if on_progress:
+            on_progress(stats, i)
     return stats
 
 

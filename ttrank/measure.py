@@ -10,12 +10,11 @@ import contextlib
 import logging
 import os
 import random
-import re
 import shutil
-import socket
 import tempfile
-import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,8 @@ from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuild
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .errors import DeviceError
-from .target import host_cores
+from .fleet import DEVICE_LOST, FleetRunner, Tracker, one_cpu, probe
+from .target import cross_compiler, host_cores, host_target_dict, host_triple, provenance
 
 log = logging.getLogger("ttrank")
 
@@ -33,8 +33,6 @@ TRACKER_TIMEOUT_S = 10.0
 # While a candidate runs over RPC, how often the tracker is asked whether a device is left:
 # a session request to a tracker that has no device for the key waits forever.
 DEVICE_POLL_S = 3.0
-# What TVM's RPC says when the device's end of a session disappears (server killed, network)
-_DEVICE_LOST = re.compile(r"RPCCode|[Ss]ocket|[Cc]onnection|Broken pipe|closed|EOF|no device with key")
 
 # Test hook: a build whose module has this attribute sleeps, to prove timeouts work.
 HANG_ATTR = "ttrank.test_hang_seconds"
@@ -54,14 +52,14 @@ def _build_export(mod, target, artifact_dir: str) -> str:
     if hang is not None:
         time.sleep(float(hang))
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return _export(tvm.compile(mod, target=target), artifact_dir)
+    return _export(tvm.compile(mod, target=target), artifact_dir, target)
 
 
-def _export(rt_mod, artifact_dir: str) -> str:
+def _export(rt_mod, artifact_dir: str, target=None) -> str:
     # one folder per artifact: MetaSchedule's RemoveBuildArtifact removes the artifact's folder
     os.makedirs(artifact_dir, exist_ok=True)
     path = os.path.join(tempfile.mkdtemp(dir=artifact_dir), "kernel.so")
-    rt_mod.export_library(path)
+    rt_mod.export_library(path, fcompile=cross_compiler(target))  # another architecture: its linker
     return path
 
 
@@ -146,7 +144,7 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
             wrong = _check_against(mod, ref_mod, ref_key, rtol, atol, built=rt)
             if wrong is not None:
                 return None, wrong
-            return _export(rt, artifact_dir), None
+            return _export(rt, artifact_dir, target), None
     wrong = _check_against(mod, ref_mod, ref_key, rtol, atol)
     if wrong is not None:
         return None, wrong
@@ -235,7 +233,7 @@ def _last_line(text: str) -> str:
 
 @dataclass
 class RunnerSpec:
-    """How to run candidates: locally, or on a device behind a TVM RPC tracker."""
+    """How to run candidates: locally, or on every device under one key of a TVM RPC tracker."""
 
     kind: str = "local"  # "local" or "rpc"
     tracker_host: str | None = None
@@ -254,6 +252,10 @@ class RunnerSpec:
     # longer than one candidate's repeats: passes spread each candidate across the batch's
     # time, so the candidates of one kernel are compared side by side, not one after another.
     rounds: int = 3
+    # RPC: how long a key with no device is waited for (at the start, and when all have left)
+    device_wait_s: float = 30.0
+    # RPC: what the key's devices reported about themselves (filled by check())
+    device: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_tracker(cls, tracker: str, key: str, **kw) -> RunnerSpec:
@@ -263,6 +265,9 @@ class RunnerSpec:
         return cls(kind="rpc", tracker_host=host or "127.0.0.1", tracker_port=int(port),
                    device_key=key, **kw)
 
+    def tracker(self) -> Tracker:
+        return Tracker(str(self.tracker_host), int(self.tracker_port or 0), str(self.device_key))
+
     def evaluator_config(self):
         from tvm.s_tir.meta_schedule.runner import EvaluatorConfig
 
@@ -271,17 +276,16 @@ class RunnerSpec:
                                enable_cpu_cache_flush=self.cache_flush)
 
     def create(self):
-        """A MetaSchedule Runner for this spec."""
-        from tvm.s_tir.meta_schedule.runner import LocalRunner, RPCConfig, RPCRunner
+        """A MetaSchedule Runner for this spec: over RPC, one that measures on every device
+        under the key at once (:class:`ttrank.fleet.FleetRunner`)."""
+        from tvm.s_tir.meta_schedule.runner import LocalRunner
 
         if self.kind == "local":
             return LocalRunner(timeout_sec=self.timeout_sec,
                                evaluator_config=self.evaluator_config())
         if self.kind == "rpc":
-            cfg = RPCConfig(tracker_host=self.tracker_host, tracker_port=self.tracker_port,
-                            tracker_key=self.device_key, session_timeout_sec=int(self.timeout_sec))
-            return RPCRunner(rpc_config=cfg, evaluator_config=self.evaluator_config(),
-                             max_workers=1, f_create_session=_create_session_if_device)
+            return FleetRunner(self.tracker(), self.evaluator_config(),
+                               session_timeout_s=self.timeout_sec, device_wait_s=self.device_wait_s)
         raise ValueError(f"unknown runner kind {self.kind!r}")
 
     def protocol(self) -> dict[str, int]:
@@ -300,58 +304,48 @@ class RunnerSpec:
         :class:`DeviceError` when the tracker cannot be reached or says nothing for
         ``timeout_s`` seconds: a silent tracker costs that long, never a hang.
         """
-        summary = _tracker_summary(str(self.tracker_host), int(self.tracker_port or 0),
-                                   TRACKER_TIMEOUT_S if timeout_s is None else timeout_s)
-        return sum(1 for s in summary.get("server_info", []) if s.get("key") == f"server:{self.device_key}")
+        return self.tracker().devices(TRACKER_TIMEOUT_S if timeout_s is None else timeout_s)
 
-    def check(self, timeout_s: float | None = None) -> None:
-        """Before measuring: the tracker answers and lists a device with our key."""
+    def check(self, timeout_s: float | None = None) -> dict | None:
+        """Before measuring: the tracker answers, lists a device with our key (waited for up to
+        ``device_wait_s``), and the devices report one CPU. Returns what they reported."""
         if self.kind != "rpc":
-            return
-        if not self.devices(timeout_s):
-            raise DeviceError(f"RPC tracker {self.tracker_host}:{self.tracker_port} lists no device "
-                              f"with key {self.device_key!r} (start one: python -m "
-                              f"tvm.exec.rpc_server --tracker {self.tracker_host}:{self.tracker_port} "
-                              f"--key {self.device_key})")
+            return None
+        if self.device is None:
+            tracker = self.tracker()
+            n = tracker.wait_for_device(self.device_wait_s,
+                                        TRACKER_TIMEOUT_S if timeout_s is None else timeout_s)
+            self.device = one_cpu(probe(tracker, n, self.device_wait_s), tracker.key)
+        return self.device
 
+    def target(self) -> dict:
+        """The target the key's devices report: what to compile for when none is given."""
+        info = self.check()
+        if not info or not info.get("mcpu"):
+            return host_target_dict()
+        t: dict[str, Any] = {"kind": "llvm", "mcpu": info["mcpu"]}
+        if info.get("threads"):
+            t["num-cores"] = info["threads"]
+        if info.get("triple") and info["triple"].split("-")[0] != host_triple().split("-")[0]:
+            t["mtriple"] = info["triple"]  # another architecture: cross-compile
+        return t
 
-def _create_session_if_device(rpc_config):
-    """MetaSchedule's RPC session (in the runner's worker), but failing at once when the
-    tracker lists no device for the key: TVM's session request would wait for one forever."""
-    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_create_session
-
-    servers = rpc_config.connect_tracker().summary().get("server_info", [])
-    if not any(s.get("key") == f"server:{rpc_config.tracker_key}" for s in servers):
-        raise RuntimeError(f"no device with key {rpc_config.tracker_key!r} at the tracker")
-    return default_create_session(rpc_config)
-
-
-def _tracker_summary(host: str, port: int, timeout_s: float) -> dict:
-    """The tracker's summary, through TVM's own client, in bounded time."""
-    from tvm import rpc
-
-    where = f"RPC tracker {host}:{port}"
-    try:  # TVM's client retries a refused connection for 60 s; say it at once instead
-        socket.create_connection((host, port), timeout=min(timeout_s, 5.0)).close()
-    except OSError as e:
-        raise DeviceError(f"{where} cannot be reached: {e.strerror or e}") from None
-    box: dict[str, Any] = {}
-
-    def ask() -> None:
-        try:
-            box["summary"] = rpc.connect_tracker(host, port).summary()
-        except Exception as e:  # noqa: BLE001 - reported in the caller's thread
-            box["error"] = f"{type(e).__name__}: {_last_line(str(e))}"
-
-    # the client has no timeout of its own: a silent peer would block it forever
-    t = threading.Thread(target=ask, name="ttrank-tracker-query", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise DeviceError(f"{where} did not answer within {timeout_s:g} s (is it a TVM RPC tracker?)")
-    if "error" in box:
-        raise DeviceError(f"{where} did not answer as a TVM RPC tracker: {box['error']}")
-    return box["summary"]
+    def provenance(self, target=None) -> dict[str, Any]:
+        """What measured: the host's provenance, or the devices' own CPU, threads and triple."""
+        prov = provenance(target)
+        if self.kind != "rpc":
+            return prov
+        info = self.check() or {}
+        mcpu = info.get("mcpu")
+        want = target.attrs.get("mcpu") if target is not None else None
+        if mcpu and want and str(want) != mcpu:
+            raise DeviceError(f"the target is for {want} but the devices under key {self.device_key!r} "
+                              f"report {mcpu}: pass --target for them, or leave it out to build for "
+                              "what they report")
+        return {**prov, "cpu": f"{mcpu or 'unknown'} ({info.get('triple') or '?'})", "mcpu": mcpu,
+                "cores": info.get("threads"), "threads": info.get("threads"), "load_1m": None,
+                "device_key": self.device_key, "device_triple": info.get("triple"),
+                "devices": info.get("devices"), "tracker": f"{self.tracker_host}:{self.tracker_port}"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,6 +360,7 @@ class Measurement:
     status: str  # "ok", "build_error", "run_error", "timeout"
     error: str = ""
     all_secs: list[float] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)  # RPC: the device of each run, in order
 
     @property
     def ok(self) -> bool:
@@ -381,26 +376,34 @@ class Measurer:
         self.spec = runner or RunnerSpec()
         self.builder = builder or WarmPoolBuilder(timeout_sec=build_timeout_sec)
         self._runner = None
-        self.seconds = {"build": 0.0, "run": 0.0}  # where measuring time goes
+        self._baselines: list[Measurer] = []  # their runners are closed with this one's
+        # where measuring time goes; "build_wait": the part of "build" that the runs did not
+        # hide (measure_stream builds the next batch while this one runs)
+        self.seconds = {"build": 0.0, "run": 0.0, "build_wait": 0.0}
 
     @property
     def runner(self):
         if self._runner is None:
-            self.spec.check()  # a tracker that is down or has no device: one clear error now
+            self.spec.check()  # a tracker that is down, no device, mixed CPUs: one clear error now
             self._runner = self.spec.create()
         return self._runner
 
     def _result(self, fut, measured: int):
         """A runner future's result. Over RPC, the tracker is asked every few seconds while
-        the candidate waits: with no device left for the key, the session request would wait
-        forever, so this raises :class:`DeviceError` instead."""
+        the candidate waits: with no device left for the key (for longer than the spec's
+        ``device_wait_s``), the session request would wait forever, so this raises
+        :class:`DeviceError` instead."""
         if self.spec.kind != "rpc":
             return fut.result()
-        next_check = time.time() + DEVICE_POLL_S
+        next_check, empty_since = time.time() + DEVICE_POLL_S, None
         while not fut.done():
             if time.time() >= next_check:
-                if not self.spec.devices():
-                    raise self._no_device_left(measured)
+                if self.spec.devices():
+                    empty_since = None
+                else:
+                    empty_since = empty_since or time.time()
+                    if time.time() - empty_since >= self.spec.device_wait_s:
+                        raise self._no_device_left(measured)
                 next_check = time.time() + DEVICE_POLL_S
             time.sleep(0.02)
         return fut.result()
@@ -421,9 +424,13 @@ class Measurer:
         runner, self._runner = self._runner, None
         if runner is None:
             return
-        # the waiting worker is killed; the queued candidates then fail at once in
-        # _create_session_if_device, so every future ends and nothing waits at exit
-        for worker in list(getattr(runner.pool, "_worker_map", {}).values()):
+        # the waiting worker is killed; what it ran then fails at once, so every future ends
+        # and nothing waits at exit
+        stop = getattr(runner, "stop", None)
+        if stop is not None:  # a fleet: no retry of what is cut off now
+            stop()
+        pool = getattr(runner, "pool", None)
+        for worker in list(getattr(pool, "_worker_map", {}).values()):
             proc = getattr(worker, "_proc", None)
             if proc is not None:
                 with contextlib.suppress(OSError):
@@ -441,10 +448,46 @@ class Measurer:
         ``references`` gives each module its own (reference, key), so one batch can hold the
         candidates of several kernels and keep every build worker busy.
         """
-        from tvm.s_tir.meta_schedule.runner import RunnerInput
-
         if not mods:
             return []
+        return self._run(mods, self._build(mods, reference, reference_key, references))
+
+    def measure_stream(self, batches: Iterable[tuple[list, list[tuple[Any, str]] | None]],
+                       stop: Callable[[], bool] | None = None) -> Iterator[list[Measurement]]:
+        """Measure batches of (modules, references), one result list per batch, in order.
+
+        The next batch is built while this one runs, so a fleet of devices does not wait for
+        the host's builds; a candidate is built once, whichever device runs it. The next
+        batch is taken from ``batches`` before this one runs. ``stop`` (a budget) is asked
+        before every batch but the first runs: once it says so, nothing more runs.
+        """
+        it = iter(batches)
+
+        def start(ex: ThreadPoolExecutor):
+            job = next(it, None)
+            if job is None:
+                return None
+            mods, refs = job
+            return mods, ex.submit(self._build, mods, None, "", refs) if mods else None
+
+        with ThreadPoolExecutor(1, thread_name_prefix="ttrank-build-ahead") as ex:
+            nxt, first = start(ex), True
+            while nxt is not None:
+                mods, fut = nxt
+                t0 = time.time()
+                built = fut.result() if fut is not None else []
+                self.seconds["build_wait"] += time.time() - t0
+                if not first and stop is not None and stop():
+                    for status, value in built:  # built ahead, never to run
+                        if status == "ok":
+                            _rm(value)
+                    return
+                first = False
+                nxt = start(ex)
+                yield self._run(mods, built) if mods else []
+
+    def _build(self, mods: list, reference=None, reference_key: str = "",
+               references: list[tuple[Any, str]] | None = None) -> list[tuple[str, Any]]:
         t0 = time.time()
         if references is not None or reference is not None:
             built = self.builder.build_checked(mods, self.target, reference, reference_key, references,
@@ -453,6 +496,12 @@ class Measurer:
             built = [("ok", b.artifact_path) if not b.error_msg else
                      ("timeout" if "timeout" in b.error_msg else "build_error", b.error_msg)
                      for b in self.builder.build([BuilderInput(m, self.target) for m in mods])]
+        self.seconds["build"] += time.time() - t0
+        return built
+
+    def _run(self, mods: list, built: list[tuple[str, Any]]) -> list[Measurement]:
+        from tvm.s_tir.meta_schedule.runner import RunnerInput
+
         out: list[Measurement | None] = [None] * len(mods)
         inputs, idx, paths = [], [], []
         for i, (m, (status, value)) in enumerate(zip(mods, built)):
@@ -467,8 +516,8 @@ class Measurer:
             idx.append(i)
             paths.append(value)
         t1 = time.time()
-        self.seconds["build"] += t1 - t0
         secs: dict[int, list[float]] = {i: [] for i in idx}
+        devices: dict[int, list[str]] = {i: [] for i in idx}
         errors: dict[int, str] = {}
         order = list(range(len(inputs)))
         rng = random.Random(len(inputs))
@@ -478,12 +527,18 @@ class Measurer:
             live = [j for j in order if idx[j] not in errors]
             if not live:
                 break
+            resize = getattr(self.runner, "resize", None)
+            if resize is not None:  # a fleet: devices that joined or left since the last batch
+                try:
+                    resize()
+                except DeviceError:  # they were there when checked: they went away
+                    raise self._no_device_left(runs) from None
             futures = self.runner.run([inputs[j] for j in live])
             for j, fut in zip(live, futures):
                 try:
                     r = self._result(fut, runs)
                     device_lost = bool(r.error_msg and self.spec.kind == "rpc"
-                                       and _DEVICE_LOST.search(r.error_msg))
+                                       and DEVICE_LOST.search(r.error_msg))
                     if device_lost and not self.spec.devices():
                         raise self._no_device_left(runs)
                 except DeviceError:
@@ -497,17 +552,25 @@ class Measurer:
                     errors[idx[j]] = r.error_msg
                 else:
                     secs[idx[j]] += [float(s) for s in r.run_secs]
+            conflict = getattr(self._runner, "conflict", "")
+            if conflict:  # a device that joined reports another CPU than the key's
+                raise DeviceError(conflict)
             rng.shuffle(order)
+        runs_of = getattr(self._runner, "runs_of", None)
+        if runs_of is not None:  # a fleet: which device ran each pass
+            for i, p in zip(idx, paths):
+                devices[i] = runs_of(p)
         for i in idx:
             msg = errors.get(i)
             is_timeout = msg is not None and ("Timeout" in msg or "timeout" in msg)
             # a later pass that times out under load does not undo the passes that finished
             if secs[i] and (msg is None or is_timeout):
-                out[i] = Measurement(min(secs[i]), "ok", "", secs[i])
+                out[i] = Measurement(min(secs[i]), "ok", "", secs[i], devices[i])
             elif msg is None and i in lost:
-                out[i] = Measurement(None, "run_error", lost[i])
+                out[i] = Measurement(None, "run_error", lost[i], devices=devices[i])
             else:
-                out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""))
+                out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""),
+                                     devices=devices[i])
         for p in paths:
             _rm(p)
         self.seconds["run"] += time.time() - t1
@@ -520,9 +583,21 @@ class Measurer:
                              "rounds": 1})
         m = Measurer(self.target, spec, builder=self.builder)
         m.seconds = self.seconds  # one account for both
+        self._baselines.append(m)
         return m
 
+    def fleet_usage(self) -> dict[str, int]:
+        """Over RPC: the most devices that measured at once, and the runs, of this measurer
+        and its baselines (zeros when measuring locally)."""
+        runners = [m._runner for m in [self, *self._baselines] if hasattr(m._runner, "peak")]
+        return {"servers_used": max((r.peak() for r in runners), default=0),
+                "runs": sum(len(r.sessions) for r in runners)}
+
     def close(self) -> None:
+        for m in [self, *self._baselines]:
+            close = getattr(m._runner, "close", None)
+            if close is not None:  # a fleet runner's pool
+                close()
         self.builder.close()
 
 

@@ -12,11 +12,12 @@ UNTUNED = "untuned"  # the record id of a kernel's own, untuned, schedule
 
 def row(network: str, kernel, status: str, latency_s: float | None, reason: str, provenance: dict,
         transferred=None, *, untuned_s: float | None = None, scores: tuple | None = None,
-        pool: str | None = None, target_key: str | None = None) -> dict:
+        pool: str | None = None, target_key: str | None = None, devices: list | None = None) -> dict:
     """One line of the table: the untuned kernel when ``transferred`` is None, else a
     transferred donor schedule (a :class:`ttrank.transfer.Transferred`). ``scores``:
     (ranker score, cost-model score) when a ranking chose it; ``pool``: which sample the
-    collector drew it from; ``target_key``: the target the run compiled for."""
+    collector drew it from; ``target_key``: the target the run compiled for; ``devices``: on
+    a fleet, the device that ran each timed pass (:class:`ttrank.fleet.FleetRunner`)."""
     r = {"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
          "class": kernel.workload_class}
     if transferred is None:
@@ -36,6 +37,8 @@ def row(network: str, kernel, status: str, latency_s: float | None, reason: str,
             r["pool"] = pool
     if target_key is not None:
         r["target_key"] = target_key
+    if devices:
+        r["devices"] = list(devices)
     return r
 
 
@@ -62,5 +65,7 @@ def same_cpu(r: dict, prov: dict) -> bool:
 
 
 def compact_provenance(prov: dict) -> dict:
-    """The provenance every row carries: the machine, TVM, the date and the load."""
-    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date", "load_1m") if k in prov}
+    """The provenance every row carries: the machine, TVM, the date and the load (over RPC,
+    the devices' key, triple and names)."""
+    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date", "load_1m",
+                                 "device_key", "device_triple", "devices") if k in prov}

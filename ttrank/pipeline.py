@@ -8,6 +8,7 @@ only wires them, keeps the per-kernel report and replaces the outputs as one ste
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from .ranker import Ranker, data_cpus
 from .ranking import Candidate, Pick, SecondStage, rank_kernel, shortlist
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
-from .target import host_mcpu, make_target, provenance, target_key
+from .target import host_mcpu, is_foreign, make_target, provenance, target_key
 from .training import ranker_without
 from .transfer import Transferred, transfer
 from .tune import tune
@@ -126,7 +127,9 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         if on_progress:
             on_progress(phase, done, total, info)
 
-    target = target if target is not None else make_target()
+    runner = runner or RunnerSpec()
+    # over RPC, by default the target the devices report (their CPU, not the host's)
+    target = target if target is not None else make_target(runner.target() if runner.kind == "rpc" else None)
     store = store if store is not None else DonorStore.load()
     if not store.workloads:
         raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
@@ -138,11 +141,12 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         if model.name in ranker.metadata.get("training_networks", []):
             note(f"leave-one-out: refitting the ranker without {model.name}'s measurements")
             ranker = ranker_without(model.name, ranker, store)
-    if (runner is None or runner.kind == "local") and (why := cpu_mismatch(ranker, target, top_k)):
+    if runner.kind == "local" and (why := cpu_mismatch(ranker, target, top_k)):
         note(why)
     # the ranker's own choice: the k its leave-one-network-out evaluation found worth measuring
     top_k = top_k or int(ranker.metadata.get("top_k") or 3)
-    prov = compact_provenance(provenance(target))
+    # the measuring machine's CPU: over RPC, what the devices report, never the host's
+    prov = compact_provenance(runner.provenance(target))
     tkey = target_key(target)
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
     table = data_dir / "measurements" / f"{model.name}.jsonl"
@@ -169,9 +173,10 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
 
     # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
     # candidates of all kernels go through the builder together, in chunks, so both build
-    # workers stay busy; each chunk's rows are appended before the next starts (Ctrl-C keeps them).
+    # workers stay busy; each chunk builds while the one before it runs, and each chunk's rows
+    # are appended as it finishes (Ctrl-C keeps them).
     t0 = time.time()
-    measurer = Measurer(target, runner or RunnerSpec())
+    measurer = Measurer(target, runner)
     stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
     try:
         _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
@@ -191,7 +196,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
 
     t0 = time.time()
     extra_db = _tune_missing(model, kernels, store, exclude_networks, chosen, reports, tune_missing,
-                             target, progress)
+                             target, progress, runner)
     t_tune = time.time() - t0
 
     # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
@@ -199,7 +204,9 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     compiled, max_err = _build(model, target, db_dir, output, kernels, chosen, reports, extra_db, check)
     t_compile = time.time() - t0
 
-    lat = _time(model, target, compiled, reports, untuned_run_limit_s, progress) if time_model else {}
+    # another architecture (compiled is None): the host can neither load the model nor time it
+    lat = (_time(model, target, compiled, reports, untuned_run_limit_s, progress)
+           if time_model and compiled is not None else {})
     return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
                   max_err, {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
                             "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
@@ -231,7 +238,8 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
     need = [k for k in kernels if (k.workload_hash, UNTUNED) not in cached]
     for k, m in zip(need, measurer.baseline().measure([k.mod for k in need]) if need else []):
         r = cached[(k.workload_hash, UNTUNED)] = measurements.row(
-            network, k, m.status, m.latency_s, m.error, stamp["provenance"], target_key=stamp["target_key"])
+            network, k, m.status, m.latency_s, m.error, stamp["provenance"], target_key=stamp["target_key"],
+            devices=m.devices)
         append_jsonl(table, r)
     for k in kernels:
         reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
@@ -271,23 +279,32 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
     todo.sort(key=lambda x: (x[2], -shares[x[0].name]))
     fresh: dict[int, dict] = {}
     chunk = MEASURE_CHUNK
-    for s in range(0, len(todo), chunk):
-        if budget_s is not None and s > 0 and time.time() - t0 > budget_s:
-            return fresh, len(todo) - s
-        part = todo[s:s + chunk]
-        results = measurer.measure([p.transferred.mod for _, p, _ in part],
-                                   references=[(k.mod, k.workload_hash) for k, _, _ in part])
+    parts: list[list] = []  # chunks handed to the measurer, not yet measured
+    measured = 0
+
+    def chunks():
+        for s in range(0, len(todo), chunk):
+            parts.append(todo[s:s + chunk])
+            yield ([p.transferred.mod for _, p, _ in parts[-1]],
+                   [(k.mod, k.workload_hash) for k, _, _ in parts[-1]])
+
+    # each chunk builds while the one before it runs; the budget is asked before each but the
+    # first runs (a chunk built ahead is then dropped unrun)
+    over = None if budget_s is None else (lambda: time.time() - t0 > budget_s)
+    for results in measurer.measure_stream(chunks(), stop=over):
+        part = parts.pop(0)
+        measured += len(part)
         rows = []
         for (k, p, _), m in zip(part, results):
             c = p.candidate
             r = fresh[id(p)] = measurements.row(
                 network, k, m.status if not m.ok else "ok", m.latency_s, m.error, stamp["provenance"],
                 p.transferred, untuned_s=reports[k.name].untuned_s, scores=(c.score, c.cost_score),
-                target_key=stamp["target_key"])
+                target_key=stamp["target_key"], devices=m.devices)  # devices: a fleet's, that ran it
             rows.append(r)
         append_jsonl(table, rows)
-        progress("measuring", min(s + chunk, len(todo)), len(todo), part[-1][0].name)
-    return fresh, 0
+        progress("measuring", measured, len(todo), part[-1][0].name)
+    return fresh, len(todo) - measured
 
 
 def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport,
@@ -334,17 +351,20 @@ def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: Ke
 
 def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, exclude_networks: set,
                   chosen: dict[str, Transferred], reports: dict[str, KernelReport], budget_s: float,
-                  target, progress: Progress):
+                  target, progress: Progress, runner: RunnerSpec | None = None):
     """MetaSchedule for what transfer left at the default schedule, when it matters: a budget
     split by each kernel's share of the estimated model time. The records go to the user's
     donor store, so the next model with such a kernel gets them by transfer, and a rerun of
-    this model reuses them instead of tuning again. Returns that database, or None."""
+    this model reuses them instead of tuning again. Over RPC (``runner``), the search measures
+    on the devices, with tune's own runner settings. Returns that database, or None."""
     # a kernel some donor was tuned on (this one's own earlier run, say) is not tuned again
     tuned_before = {w.kernel.workload_hash for w in store.workloads if w.network not in exclude_networks}
     done = set(chosen) | {k.name for k in kernels if k.workload_hash in tuned_before}
     plans = plan_missing(kernels, {n: r.best_s for n, r in reports.items()}, done, budget_s=budget_s)
     extra_db = None
     work = user_donor_dir() / model.name
+    remote = (dataclasses.replace(runner, number=3, repeat=1, min_repeat_ms=50)
+              if runner is not None and runner.kind == "rpc" else None)
     for i, plan in enumerate(plans):
         k, t_k = plan.kernel, time.time()
         progress("tuning", i + 1, len(plans), k.name)
@@ -354,7 +374,7 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[k.name], trials_per_iter=8)
+                       only=[k.name], trials_per_iter=8, runner=remote)
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
         rep = reports[k.name]
@@ -383,16 +403,18 @@ def _latencies(chosen: dict, reports: dict[str, KernelReport]) -> dict[str, floa
 
 def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kernel],
            chosen: dict[str, Transferred], reports: dict[str, KernelReport], extra_db, check: bool
-           ) -> tuple[CompiledModel, float | None]:
+           ) -> tuple[CompiledModel | None, float | None]:
     """Write the database beside its place, compile, check; then the database and the library
     replace the previous ones as one step (a kill between the renames is finished by the next
-    run): never a database of one run beside another's library."""
+    run): never a database of one run beside another's library. For another architecture
+    (cross-compiled), the host can neither load nor check the model: no CompiledModel then."""
     staged = db_dir.with_name(f".{db_dir.name}.staged")
     database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db)
     ex = compile_model(model, target, database)
-    compiled = CompiledModel.from_executable(ex, model)
+    foreign = is_foreign(target)
+    compiled = None if foreign else CompiledModel.from_executable(ex, model)
     max_err = None
-    if check:
+    if check and not foreign:
         res = check_against_onnxruntime(compiled, model)
         max_err = res.max_abs_error
         if not res.ok:
@@ -405,7 +427,7 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
     moves = [(staged, db_dir)]
     try:
         if output:
-            moves.append((export_staged(ex, output), Path(output)))
+            moves.append((export_staged(ex, output, target), Path(output)))
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise

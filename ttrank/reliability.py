@@ -594,8 +594,9 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
     """
     with rpc_cluster(devices) as cluster:
         # slow enough per candidate (~1 s) that the kill lands inside a session
+        # a device that does not come back within 5 s is taken as gone (the default waits 30 s)
         spec = RunnerSpec.from_tracker(cluster.address, cluster.key, min_repeat_ms=300, repeat=2,
-                                       rounds=2)
+                                       rounds=2, device_wait_s=5)
         m = Measurer(target, spec)
         killed: list[int] = []
 
@@ -608,6 +609,7 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
                     killed.append(s.pid)
                 time.sleep(0.05)
 
+        spec.check()  # the devices answer their probe first: the kill is for a measuring session
         threading.Thread(target=killer, daemon=True).start()
         t0 = time.time()
         error, res = "", []

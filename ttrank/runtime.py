@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
-from .target import provenance, runtime_threads
+from .target import cross_compiler, provenance, runtime_threads
 from .util import write_failure
 
 log = logging.getLogger("ttrank")
@@ -40,8 +40,9 @@ def export(executable, path: str | Path) -> Path:
     return path
 
 
-def export_staged(executable, path: str | Path) -> Path:
-    """Export into a temp file beside ``path``, for the caller to rename into place."""
+def export_staged(executable, path: str | Path, target=None) -> Path:
+    """Export into a temp file beside ``path``, for the caller to rename into place (linked
+    by the cross compiler when ``target`` is another architecture)."""
     path = Path(path)
     kept = f"; the previous {path.name} is left as it was" if path.exists() else ""
     tmp = None
@@ -49,7 +50,7 @@ def export_staged(executable, path: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".so")
         os.close(fd)
-        executable.export_library(tmp)
+        executable.export_library(tmp, fcompile=cross_compiler(target))
     except Exception as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -9,6 +9,8 @@ import importlib.util
 import json
 import os
 import platform
+import re
+import shutil
 import sys
 import types
 from collections.abc import Iterator
@@ -100,6 +102,8 @@ def parse_target(spec: str | dict | None) -> dict[str, Any]:
     if os.path.exists(spec):
         with open(spec) as f:
             text = f.read()
+    if re.fullmatch(r"[a-z_]+(\s+-[\w-]+=\S+)*\s*", text.strip()):
+        return target_from_string(text)
     try:
         d = json.loads(text)
     except json.JSONDecodeError:
@@ -110,6 +114,50 @@ def parse_target(spec: str | dict | None) -> dict[str, Any]:
     if not isinstance(d, dict) or "kind" not in d:
         raise TTRankError("--target JSON must be an object with at least a \"kind\" key")
     return d
+
+
+def target_from_string(text: str) -> dict[str, Any]:
+    """A target dict from TVM's command-line form, e.g. ``llvm -mtriple=aarch64-linux-gnu
+    -mattr=+neon``: TVM 0.27's Target no longer parses that form itself."""
+    kind, *opts = text.split()
+    d: dict[str, Any] = {"kind": kind}
+    for opt in opts:
+        key, _, value = opt.lstrip("-").partition("=")
+        if key in ("mattr", "libs", "keys"):
+            d[key] = value.split(",")
+        elif value.isdigit():
+            d[key] = int(value)
+        else:
+            d[key] = value
+    return d
+
+
+def host_triple() -> str:
+    from tvm.target import codegen
+
+    return str(codegen.llvm_get_system_triple())
+
+
+def is_foreign(target) -> bool:
+    """Whether ``target`` is another architecture than the host's (cross-compiled, and the host
+    cannot run what is built for it)."""
+    triple = str(target.attrs.get("mtriple") or "") if target is not None else ""
+    return bool(triple) and triple.split("-")[0] != host_triple().split("-")[0]
+
+
+def cross_compiler(target):
+    """The compiler that links libraries for ``target`` (None: the host's own), from
+    ``TTRANK_CROSS_CC`` or ``<triple>-g++``; one clear error when it is not installed."""
+    from tvm.support import cc
+
+    if not is_foreign(target):
+        return None
+    triple = str(target.attrs["mtriple"])
+    compiler = os.environ.get("TTRANK_CROSS_CC") or f"{triple}-g++"
+    if shutil.which(compiler.split()[0]) is None:
+        raise TTRankError(f"the target is {triple}, another architecture than this host's: linking for it "
+                          f"needs a cross compiler, and {compiler} is not installed (set TTRANK_CROSS_CC)")
+    return cc.cross_compiler(compiler)
 
 
 def make_target(spec: str | dict | None = None):

@@ -171,6 +171,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     ``trials_per_task`` trials (injective kernels, which do no arithmetic, get
     ``injective_trials``). The run stops starting new batches when the budget is spent.
     ``only``: tune just the kernels whose task name contains one of these strings.
+    ``runner``: a MetaSchedule Runner, or a :class:`~ttrank.measure.RunnerSpec` (over RPC, every
+    device under its key measures at once, and the manifest records their CPU, not the host's).
     ``prepare``: a function applied to the fused module before task extraction (for example
     ``relax.transform.AttachAttrLayoutFreeBuffers()``, which lets MetaSchedule's RewriteLayout
     pre-pack the weights).
@@ -217,12 +219,15 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
         target_trials = d["done"] if exhausted or (d.get("complete") and d["done"] >= want) else want
         progress.tasks.append(TaskProgress(k.name, k.flops, k.weight, target_trials,
                                            d.get("done", 0), d.get("best_s")))
-    _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
-                    progress, prior_search)
-
     database = ms.database.JSONDatabase(work_dir=str(work_dir))
     builder = WarmPoolBuilder(timeout_sec=build_timeout_sec)
-    runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3, min_repeat_ms=50).create()
+    runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
+    machine, made = None, None
+    if isinstance(runner, RunnerSpec):
+        machine = runner.provenance(target)
+        runner = made = runner.create()
+    _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
+                    progress, prior_search, machine)
     t0 = time.time()
 
     def clock() -> float:
@@ -292,12 +297,14 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             tp.target_trials = tp.done  # finished, possibly early on an exhausted space
             progress.search_s = clock()
             _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials,
-                            kernels, progress, prior_search)
+                            kernels, progress, prior_search, machine)
     finally:
         builder.close()
         progress.search_s = clock()
         _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
-                        progress, prior_search)
+                        progress, prior_search, machine)
+        if hasattr(made, "close"):  # the fleet runner made here: its worker pool
+            made.close()
     return progress
 
 
@@ -334,9 +341,9 @@ def metaschedule_logging():
 
 def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
                     injective_trials: int, kernels, progress: TuneProgress,
-                    prior_search: float) -> None:
+                    prior_search: float, machine: dict | None = None) -> None:
     old = read_manifest(work_dir)
-    prov = provenance(target)
+    prov = machine or provenance(target)  # machine: the RPC devices' own report
     earlier_cpus = old.get("cpus") or [(old.get("provenance") or {}).get("mcpu")]
     manifest = {
         "model": model_name,
