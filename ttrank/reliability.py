@@ -36,6 +36,7 @@ from . import measure
 from .collect import build_dataset, collect
 from .donors import DonorStore
 from .errors import DeviceError
+from .fleet import free_port
 from .frontend import load
 from .fuzz import classify, run_cli
 from .measure import Measurer, RunnerSpec
@@ -497,12 +498,6 @@ def export_refused(kind: str, model: Path, work: Path, env: dict | None = None) 
 
 # --------------------------------------------------------------------------------------------
 # RPC: a tracker and servers on 127.0.0.1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
