@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ttrank import collect, donors, fleet, frontend, measure
+from ttrank import collect, donors, fleet, frontend, measure, runtime
 from ttrank.errors import DeviceError
+from ttrank.target import make_target
 
 
 def _rows(out: Path) -> list[dict]:
@@ -117,3 +118,11 @@ def test_a_device_that_joins_with_another_cpu_stops_the_fleet():
     # through MetaSchedule (tune), each run then fails with the reason instead of running
     (fut,) = r.run([RunnerInput("a/kernel.so", "cpu", [])])
     assert "report different CPUs" in fut.result().error_msg
+
+
+def test_the_whole_model_is_timed_only_where_its_kernels_were(target):
+    # a cross-compiled target, or kernels measured on RPC devices: the host's clock is not theirs
+    board = make_target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"})
+    assert "aarch64-linux-gnu" in runtime.host_cannot_time(board)
+    assert "RPC devices" in runtime.host_cannot_time(target, remote=True)
+    assert runtime.host_cannot_time(target) is None

@@ -67,8 +67,10 @@ def test_kill_9_then_resume(tmp_path):
 
 def test_ctrl_c_says_interrupted_and_resumes(tmp_path):
     out = tmp_path / "interrupted"
+    # two tasks of one batch each: the first task's rows are logged while the second still builds
     cmd = [sys.executable, "-m", "ttrank.cli", "tune", "zoo:tiny_cnn", "--out", str(out),
-           "--trials-per-task", "64", "--only", "fused_conv2d1_add_relu", "--no-progress"]
+           "--trials-per-task", "8", "--only", "fused_conv2d1_add_relu", "fused_matmul",
+           "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.time() + 300

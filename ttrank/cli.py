@@ -222,7 +222,10 @@ def cmd_tune(args) -> int:
                          on_progress=on_progress, only=args.only,
                          runner=runner if runner.kind == "rpc" else None)
     complete = prog.trials_done >= prog.trials_total
-    if complete and args.measure_model:
+    cannot = runtime.host_cannot_time(target, remote=runner.kind == "rpc") if args.measure_model else None
+    if cannot:
+        con.print(f"--measure-model skipped: {cannot}")
+    elif complete and args.measure_model:
         lat = tune.measure_model(model, target, args.out, on_start=lambda: con.print(
             "measuring the whole model: untuned, tuned, onnxruntime ..."))
         if lat:

@@ -25,18 +25,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
+import psutil
 from onnx import TensorProto, helper, numpy_helper
 
 from . import measure
 from .collect import build_dataset, collect
 from .donors import DonorStore
 from .errors import DeviceError
-from .fleet import free_port
+from .fleet import local_fleet
 from .frontend import load
 from .fuzz import classify, run_cli
 from .measure import Measurer, RunnerSpec
@@ -500,57 +501,15 @@ def export_refused(kind: str, model: Path, work: Path, env: dict | None = None) 
 # RPC: a tracker and servers on 127.0.0.1
 
 
-@dataclass
-class RpcCluster:
-    """A TVM RPC tracker and its servers (devices), all local processes."""
-
-    address: str
-    key: str
-    tracker: subprocess.Popen
-    servers: list[subprocess.Popen] = field(default_factory=list)
-
-    def busy_server(self) -> subprocess.Popen | None:
-        """A server in a session now: TVM's server keeps one worker process, which starts
-        another for each session."""
-        import psutil
-
-        for s in self.servers:
-            if s.poll() is None:
-                with contextlib.suppress(psutil.Error):
-                    if len(psutil.Process(s.pid).children(recursive=True)) > 1:
-                        return s
-        return None
-
-    def registered(self) -> int:
-        return RunnerSpec.from_tracker(self.address, self.key).devices()
-
-
-@contextlib.contextmanager
-def rpc_cluster(devices: int = 1, key: str = "ttrank-test") -> Iterator[RpcCluster]:
-    """Start a tracker and ``devices`` servers under ``key``; stop them all afterwards."""
-    tport = free_port()
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
-                                "--port", str(tport), "--port-end", str(tport + 1)], **quiet)
-    cluster = RpcCluster(f"127.0.0.1:{tport}", key, tracker)
-    try:
-        for _ in range(devices):
-            sport = free_port()
-            cluster.servers.append(subprocess.Popen(
-                [sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", cluster.address, "--key", key,
-                 "--host", "127.0.0.1", "--port", str(sport), "--port-end", str(sport + 1)], **quiet))
-        deadline = time.time() + 90
-        while True:
-            with contextlib.suppress(DeviceError):
-                if cluster.registered() >= devices:
-                    break
-            if time.time() > deadline:
-                raise RuntimeError("the RPC servers did not register with the tracker")
-            time.sleep(0.5)
-        yield cluster
-    finally:
-        for p in [tracker, *cluster.servers]:
-            kill_tree(p)
+def busy_server(servers: list[subprocess.Popen]) -> subprocess.Popen | None:
+    """A server in a session now: TVM's server keeps one worker process, which starts another
+    for each session."""
+    for s in servers:
+        if s.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                if len(psutil.Process(s.pid).children(recursive=True)) > 1:
+                    return s
+    return None
 
 
 @contextlib.contextmanager
@@ -587,10 +546,10 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
     With another device left, the run completes: the lost candidate is measured again by the
     next pass, or fails with a reason. With none left, one DeviceError, in bounded time.
     """
-    with rpc_cluster(devices) as cluster:
+    with local_fleet(devices, key="ttrank-test") as fleet:
         # slow enough per candidate (~1 s) that the kill lands inside a session
         # a device that does not come back within 5 s is taken as gone (the default waits 30 s)
-        spec = RunnerSpec.from_tracker(cluster.address, cluster.key, min_repeat_ms=300, repeat=2,
+        spec = RunnerSpec.from_tracker(fleet.address, fleet.tracker.key, min_repeat_ms=300, repeat=2,
                                        rounds=2, device_wait_s=5)
         m = Measurer(target, spec)
         killed: list[int] = []
@@ -598,7 +557,7 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
         def killer() -> None:
             deadline = time.time() + 120
             while time.time() < deadline and not killed:
-                s = cluster.busy_server()
+                s = busy_server(fleet.procs[1:])  # procs[0] is the tracker
                 if s is not None:
                     kill_tree(s)
                     killed.append(s.pid)
@@ -615,7 +574,7 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
         finally:
             m.close()
         secs = time.time() - t0
-        left = cluster.registered()
+        left = fleet.tracker.devices()
     statuses = [r.status for r in res]
     reasons = [r.error for r in res if not r.ok]
     expect_complete = devices > 1

@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
-from .target import cross_compiler, provenance, runtime_threads
+from .target import cross_compiler, is_foreign, provenance, runtime_threads
 from .util import write_failure
 
 log = logging.getLogger("ttrank")
@@ -182,6 +182,16 @@ def check_against_onnxruntime(compiled: CompiledModel, model: LoadedModel, seed:
         raise TTRankError(f"onnxruntime cannot run this model, so outputs cannot be checked: "
                           f"{str(e).splitlines()[0][:300]}") from None
     return check_outputs(compiled.run(feed), ref, atol, rtol)
+
+
+def host_cannot_time(target, remote: bool = False) -> str | None:
+    """Why a whole-model time taken on this host would not be the target's (None: it would)."""
+    if is_foreign(target):
+        return f"the target is {target.attrs['mtriple']}, which this host cannot run"
+    if remote:
+        # the kernels were measured on the devices; the host's CPU is another machine's
+        return "the kernels were measured on RPC devices, and this host is not one of them"
+    return None
 
 
 def model_latencies(model: LoadedModel, target, database=None, repeat: int = 3,
