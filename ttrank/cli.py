@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import collect, donors, frontend, kernels, locations, pipeline, runtime, training, tune, util, zoo
+from . import adapt, collect, donors, frontend, kernels, locations, pipeline, runtime, training, tune, util, zoo
 from .coverage import coverage
 from .errors import BusyError, CheckError, OutputError, TTRankError
 from .evaluate import KEYS, PAPER_PAIRING
@@ -493,6 +493,26 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_adapt(args) -> int:
+    con = _console()
+    target = make_target(args.target)
+    if (busy := machine_busy()):
+        con.print(f"[yellow]warning: {busy}; tuning and measurements taken now will be noisy[/yellow]")
+    before = adapt.adapted(target)
+    if before:
+        con.print(f"continuing the adaptation of {before['mcpu']} ({before['runs']} run(s) so far, "
+                  f"{before['tuned_kernels']}/{before['planned']} kernels tuned)")
+    rep = adapt.adapt(target, 60 * args.budget_minutes, networks=args.networks, trials=args.trials,
+                      tune_share=args.tune_share, max_per_kernel=args.max_per_kernel,
+                      retrain=not args.no_train, on_note=con.print)
+    state = "complete" if rep.complete else "partial (rerun to continue)"
+    con.print(f"adapted to {rep.mcpu} in {rep.seconds:.0f} s: {rep.tuned_kernels}/{rep.planned} kernels "
+              f"tuned natively ({rep.tuned_trials} trials, {rep.tune_seconds:.0f} s), {rep.collected} "
+              f"candidates measured ({rep.collect_seconds:.0f} s), ranker "
+              f"{rep.ranker or 'not retrained'}; {state}")
+    return 0
+
+
 def cmd_collect(args) -> int:
     con = _console()
     runner = _runner_spec(args, repeat=max(1, args.repeat // args.rounds), rounds=args.rounds)
@@ -629,6 +649,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", help="ranker file (default: models/ranker.json)")
     tr.add_argument("--target", default=None)
     tr.set_defaults(func=cmd_train)
+
+    ad = sub.add_parser("adapt", help="adapt to this CPU: native tuning of the common kernels, "
+                                      "measurements for the ranker (bounded, resumable)")
+    ad.add_argument("--budget-minutes", type=float, default=60.0)
+    ad.add_argument("--networks", nargs="+", default=None,
+                    help=f"zoo networks whose kernels to weigh (default: {' '.join(adapt.DEFAULT_NETWORKS)})")
+    ad.add_argument("--trials", type=int, default=64, help="trials per natively tuned kernel")
+    ad.add_argument("--tune-share", type=float, default=0.6, help="share of the budget for tuning")
+    ad.add_argument("--max-per-kernel", type=int, default=6, help="candidates measured per kernel")
+    ad.add_argument("--no-train", action="store_true", help="do not retrain the ranker")
+    ad.add_argument("--target", default=None)
+    ad.set_defaults(func=cmd_adapt)
 
     co = sub.add_parser("collect", help="cross-measure donor schedules on zoo networks (resumable)")
     co.add_argument("networks", nargs="+")

@@ -115,7 +115,7 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a log is parsed
 
     work_dir = Path(work_dir)
-    network = network or work_dir.name
+    network = network or network_of(work_dir)
     report = LoadReport(str(work_dir), network)
     wl_path, rec_path = database_files(work_dir)
     names = task_names(work_dir)
@@ -269,6 +269,24 @@ def default_work_dirs() -> list[Path]:
 
 def user_donor_dir() -> Path:
     return cache_dir() / "donors"
+
+
+NATIVE_PREFIX = "native-"
+
+
+def native_dir(network: str, mcpu: str) -> Path:
+    """Where ``ttrank adapt`` tunes ``network``'s kernels natively on CPU ``mcpu`` (a donor
+    work_dir of the user's store)."""
+    return user_donor_dir() / f"{NATIVE_PREFIX}{mcpu}-{network}"
+
+
+def network_of(work_dir: str | Path) -> str:
+    """The donor network a work_dir holds: its folder name, or for a native one the network it
+    was tuned in, so leaving a network out leaves its native records out too."""
+    name = Path(work_dir).name
+    if name.startswith(NATIVE_PREFIX) and name.count("-") >= 2:
+        return name[len(NATIVE_PREFIX):].split("-", 1)[1]
+    return name
 
 
 def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool

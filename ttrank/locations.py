@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from .errors import TTRankError
+from .util import cache_dir
 
 HOME_ENV = "TTRANK_HOME"
 # the folder above the package: a checkout of the repository when it holds datasets/
@@ -55,6 +56,11 @@ def shipped_measurements(required: bool = False) -> Path | None:
 def shipped_ranker() -> Path:
     """``models/ranker.json``: the default ranker (its cost model is beside it)."""
     return _under("models", "ranker.json", required=True)
+
+
+def user_ranker() -> Path:
+    """The ranker ``ttrank adapt`` trains with this machine's rows: preferred when present."""
+    return cache_dir() / "models" / "ranker.json"
 
 
 def portable(path: str | Path) -> str:

@@ -227,8 +227,8 @@ def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
         return ""
     return (f"note: the ranker learned from measurements on {', '.join(trained)}; this CPU is "
             f"{target.attrs.get('mcpu') or host_mcpu()}. Its top {top_k or ranker.metadata.get('top_k', 3)} "
-            "candidates per kernel are measured here, and `ttrank collect` + `ttrank train` "
-            "teach it this CPU.")
+            "candidates per kernel are measured here; `ttrank adapt --budget-minutes 60` tunes "
+            "the common kernels natively on this CPU and teaches the ranker its rows.")
 
 
 def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, cached: dict, table: Path,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from . import locations
 from .errors import RankerError
 from .features import FEATURE_GROUPS, FEATURE_NAMES, FEATURE_VERSION, group_columns
 from .util import atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger(__name__)
 
 OBJECTIVES = ("rank:ndcg", "rank:pairwise", "reg:squarederror")
 
@@ -142,7 +145,13 @@ class Ranker(BoosterModel):
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Ranker:
-        """Load a ranker; refuse one written for another feature schema."""
+        """Load a ranker; refuse one written for another feature schema. Without ``path``: the
+        user's own (``ttrank adapt``), if it fits this ttrank, else the shipped one."""
+        if path is None and locations.user_ranker().exists():
+            try:
+                return cls.load(locations.user_ranker())
+            except RankerError as e:  # e.g. trained before a feature change: the shipped one
+                log.warning("%s; using the shipped ranker", e)
         path = Path(path) if path else locations.shipped_ranker()
 
         def check(meta: dict) -> str | None:

@@ -1,0 +1,59 @@
+"""`ttrank adapt`: native tuning of the kernels that matter, this CPU's rows, a retrained ranker."""
+
+from __future__ import annotations
+
+import pytest
+
+from ttrank import adapt, donors, locations
+from ttrank.ranker import Ranker
+
+
+def test_native_donors_count_as_the_network_they_were_tuned_in():
+    # so that leaving resnet18 out (evaluation) also leaves out what adapt tuned for it
+    assert donors.network_of(donors.native_dir("resnet18", "znver5")) == "resnet18"
+    assert donors.network_of(donors.native_dir("mnasnet1_0", "emeraldrapids")) == "mnasnet1_0"
+    assert donors.network_of("/somewhere/my-model") == "my-model"
+
+
+def test_the_plan_puts_the_kernels_with_the_largest_share_of_the_zoo_first(donor_dir, target):
+    plan = adapt.plan(["tiny_cnn", "tiny_resnet"], target, donors.DonorStore.load([donor_dir]))
+    shares = [p.share for p in plan]
+    assert shares == sorted(shares, reverse=True)
+    # each network's kernels share its time: the summed shares are one per network
+    assert sum(shares) == pytest.approx(2.0)
+    assert {n for p in plan for n in p.networks} == {"tiny_cnn", "tiny_resnet"}
+    # every kernel is tuned in a network that has it, under its task name there
+    for p in plan:
+        assert p.network in p.networks and p.task and p.workload_class
+
+
+def test_time_shares_use_measured_latencies_and_fill_in_the_rest_by_flops(donor_dir, target):
+    store = donors.DonorStore.load([donor_dir])
+    ks = [w.kernel for w in store.workloads if w.records]
+    known = {ks[0].workload_hash: ks[0].flops / 1e9}  # 1 GFLOP/s: this kernel is very slow
+    shares = adapt.time_shares(ks, known)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    rest = [k for k in ks[1:] if k.flops > 0]
+    # the others run at the same (measured) rate, so their shares follow their FLOPs
+    for k in rest:
+        assert shares[k.workload_hash] / shares[ks[0].workload_hash] == pytest.approx(
+            k.flops * k.weight / (ks[0].flops * ks[0].weight), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_adapt_tunes_natively_measures_and_retrains(donor_dir, measurements, target, tmp_path,
+                                                    monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's store and ranker
+    kw = dict(networks=["tiny_cnn"], trials=8, tune_share=0.5, min_share=0.3, max_per_kernel=3,
+              donor_dirs=[donor_dir], measurement_dirs=[measurements])
+    rep = adapt.adapt(target, 240, **kw)
+    assert rep.planned >= 1 and rep.tuned_kernels == rep.planned and rep.collected > 0
+    native = donors.native_dir("tiny_cnn", rep.mcpu)
+    assert donors.DonorStore.load([native]).networks == ["tiny_cnn"]
+    # from now on the ranker that knows this CPU is the default one
+    assert locations.user_ranker().exists() and Ranker.load().path == locations.user_ranker()
+    # a rerun continues: nothing tuned or measured twice
+    trials = (native / "trials.jsonl").read_text()
+    again = adapt.adapt(target, 120, **kw)
+    assert (native / "trials.jsonl").read_text() == trials and again.collected == 0
+    assert again.complete and adapt.adapted(target)["runs"] == 2

@@ -1,0 +1,216 @@
+"""One-step adaptation to the host CPU (``ttrank adapt``): a bounded, resumable budget spent
+where it buys the most on a CPU the shipped data has not seen.
+
+1. **Native tuning** of the kernels `recommend` meets most: every tunable kernel of the zoo's
+   networks, weighted by its share of its network's time (each network counts once) and summed
+   over the networks that have it. The heaviest are tuned with ttrank's resumable `tune` into
+   the user's donor store (:func:`ttrank.donors.native_dir`), so `recommend` transfers
+   them like any other donor, and a rerun continues where the last one stopped.
+2. **Cross-measurements on this CPU**: `collect` on the same networks, a few candidates per
+   kernel, into the user's measurement tables.
+3. **Retraining** the ranker on the shipped tables plus this CPU's rows, into the user's ranker
+   (:func:`ttrank.locations.user_ranker`), which :meth:`Ranker.load` prefers from then on.
+
+A kernel's time share comes from its own network's donor run where the store has it (tuned
+latency x count), else from its FLOPs at the network's measured rate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import locations, zoo
+from .collect import collect
+from .donors import DonorStore, native_dir
+from .errors import TTRankError
+from .kernels import Kernel, extract
+from .measure import Measurer
+from .target import host_mcpu, provenance, target_key
+from .training import default_measurement_dirs, train
+from .tune import tune
+from .util import atomic_write_json, cache_dir, file_lock
+
+log = logging.getLogger(__name__)
+
+# the CNNs, detectors and segmenters users deploy most; transformers are a few big matmuls
+DEFAULT_NETWORKS = ["resnet50", "resnet18", "mobilenetv2", "efficientnetb0", "yolo", "mobilenetv3",
+                    "resnext50", "googlenet", "mnasnet1_0", "unet", "dbnet", "deeplabv3", "vgg16",
+                    "bert", "vit_tiny"]
+
+
+@dataclass
+class PlannedKernel:
+    """One workload to tune natively, and why: its summed share of the networks' time."""
+
+    workload_hash: str
+    network: str  # the network it is tuned in (where its share is largest)
+    task: str  # its task name in that network
+    workload_class: str
+    share: float  # summed over networks, each network's kernels summing to 1
+    networks: list[str] = field(default_factory=list)
+
+
+def time_shares(kernels: list[Kernel], known_s: dict[str, float]) -> dict[str, float]:
+    """Each kernel's share of its network's time: known latencies (``workload_hash -> s``, for
+    one call) where there are some, else FLOPs at the network's measured FLOP rate."""
+    flops = sum(k.flops * k.weight for k in kernels if k.workload_hash in known_s)
+    secs = sum(known_s[k.workload_hash] * k.weight for k in kernels if k.workload_hash in known_s)
+    rate = flops / secs if flops > 0 and secs > 0 else 1e11  # FLOP/s; 100 GFLOP/s if nothing known
+    est = {k.workload_hash: k.weight * (known_s[k.workload_hash] if k.workload_hash in known_s
+                                        else k.flops / rate) for k in kernels}
+    total = sum(est.values()) or 1.0
+    return {h: t / total for h, t in est.items()}
+
+
+def plan(networks: list[str], target, store: DonorStore,
+         kernels_of: Callable[[str], list[Kernel]] | None = None) -> list[PlannedKernel]:
+    """The tunable kernels of ``networks``, the largest summed time share first."""
+    kernels_of = kernels_of or (lambda net: [k for k in extract(zoo.load(f"zoo:{net}").mod, target)
+                                             if k.tunable])
+    best: dict[tuple[str, str], float] = {}  # (network, workload) -> its donor run's best
+    for w in store.workloads:
+        if w.records:
+            best[(w.network, w.kernel.workload_hash)] = w.best_s
+    out: dict[str, PlannedKernel] = {}
+    top: dict[str, float] = {}  # the largest single-network share of each workload
+    for net in networks:
+        ks = kernels_of(net)
+        shares = time_shares(ks, {k.workload_hash: best[(net, k.workload_hash)] for k in ks
+                                  if (net, k.workload_hash) in best})
+        for k in ks:
+            s = shares[k.workload_hash]
+            p = out.setdefault(k.workload_hash, PlannedKernel(k.workload_hash, net, k.name,
+                                                              k.workload_class, 0.0))
+            p.share += s
+            if net not in p.networks:
+                p.networks.append(net)
+            if s > top.get(k.workload_hash, -1.0):
+                top[k.workload_hash] = s
+                p.network, p.task = net, k.name
+    return sorted(out.values(), key=lambda p: -p.share)
+
+
+def state_path(target) -> Path:
+    return cache_dir() / "adapt" / f"{target_key(target).replace('/', '_')}.json"
+
+
+@dataclass
+class AdaptReport:
+    """What one `adapt` run did (also written to :func:`state_path`)."""
+
+    mcpu: str
+    budget_s: float
+    planned: int = 0
+    tuned_kernels: int = 0
+    tuned_trials: int = 0
+    tune_seconds: float = 0.0
+    collected: int = 0
+    collect_seconds: float = 0.0
+    train_seconds: float = 0.0
+    ranker: str | None = None
+    seconds: float = 0.0
+    complete: bool = False
+    networks_tuned: list[str] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def adapt(target, budget_s: float, networks: list[str] | None = None, trials: int = 64,
+          tune_share: float = 0.6, train_reserve: float = 0.1, max_per_kernel: int = 6,
+          min_share: float = 0.01, retrain: bool = True, donor_dirs: list[Path] | None = None,
+          measurement_dirs: list[Path] | None = None,
+          on_note: Callable[[str], None] | None = None) -> AdaptReport:
+    """Spend ``budget_s`` on this CPU: native tuning (``tune_share`` of it), cross-measurements
+    (the rest, less ``train_reserve`` kept for retraining), then retrain the ranker.
+
+    Kernels whose summed share is under ``min_share`` are left to transfer. Resumable: tuned
+    trials and measured rows are kept, so a rerun spends its budget on what is left.
+    ``donor_dirs`` (default: the store's) and ``measurement_dirs`` (default: the shipped tables
+    and the user's) are what the plan weighs and the ranker learns from; this CPU's new rows
+    always go to the user's tables.
+    """
+    note = on_note or (lambda line: None)
+    t0 = time.time()
+    deadline = t0 + budget_s
+    networks = networks or DEFAULT_NETWORKS
+    for n in networks:
+        zoo.get(n)  # an unknown name is one clear error before any work
+    mcpu = str(target.attrs.get("mcpu") or host_mcpu())
+    rep = AdaptReport(mcpu, budget_s, provenance=provenance(target))
+    with file_lock(state_path(target)):  # one adaptation of a CPU at a time
+        store = DonorStore.load(donor_dirs)
+        todo = [p for p in plan(networks, target, store) if p.share >= min_share]
+        if not todo:
+            raise TTRankError(f"none of {', '.join(networks)} has a kernel to tune")
+        rep.planned = len(todo)
+        note(f"{len(todo)} kernels carry at least {min_share:.0%} of a zoo network's time on "
+             f"{len(networks)} networks; tuning the largest natively ({trials} trials each)")
+
+        # 1. native tuning, network by network in the order of their largest kernel
+        tune_end = t0 + tune_share * budget_s
+        order: dict[str, list[str]] = {}
+        for p in todo:
+            order.setdefault(p.network, []).append(p.task)
+        for net, tasks in order.items():
+            left = tune_end - time.time()
+            if left < 30:
+                break
+            run = tune(zoo.load(f"zoo:{net}").mod, native_dir(net, mcpu), trials_per_task=trials,
+                       budget_minutes=left / 60, target=target, model_name=net, only=tasks)
+            done = sum(tp.done for tp in run.tasks)
+            rep.tuned_trials += done
+            rep.tuned_kernels += sum(tp.done >= tp.target_trials for tp in run.tasks)
+            rep.networks_tuned.append(net)
+            note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU")
+        rep.tune_seconds = round(time.time() - t0, 1)
+
+        # 2. cross-measurements on this CPU, split evenly over the networks
+        t1 = time.time()
+        collect_end = deadline - train_reserve * budget_s
+        out = cache_dir() / "data" / "measurements"
+        native = [d for d in (native_dir(n, mcpu) for n in networks) if d.exists()]
+        store = DonorStore.load(None if donor_dirs is None else [*donor_dirs, *native])  # + native
+        measurer = Measurer(target)
+        try:
+            for i, net in enumerate(networks):
+                left = (collect_end - time.time()) / (len(networks) - i)
+                if left < 20:
+                    continue
+                st = collect(net, zoo.load(f"zoo:{net}"), store, out, target, measurer,
+                             max_per_kernel=max_per_kernel, budget_s=left)
+                rep.collected += st.measured
+                note(f"{net}: {st.measured} candidates measured ({st.valid} valid)")
+        finally:
+            measurer.close()
+        rep.collect_seconds = round(time.time() - t1, 1)
+
+        # 3. the ranker learns this CPU's rows beside the shipped ones
+        if retrain and rep.collected:
+            t2 = time.time()
+            dirs = default_measurement_dirs() if measurement_dirs is None else [*measurement_dirs, out]
+            res = train(list(dict.fromkeys(dirs)), store=store, out=locations.user_ranker())
+            rep.ranker = str(res["model"])
+            rep.train_seconds = round(time.time() - t2, 1)
+            note(f"ranker retrained on {res['rows']} candidates ({len(res['networks'])} networks) "
+                 f"in {rep.train_seconds:.0f} s: {rep.ranker}")
+        rep.seconds = round(time.time() - t0, 1)
+        rep.complete = rep.tuned_kernels >= rep.planned
+        previous = adapted(target) or {}
+        atomic_write_json(state_path(target), {**rep.to_json(), "runs": previous.get("runs", 0) + 1,
+                                               "plan": [asdict(p) for p in todo]})
+    return rep
+
+
+def adapted(target) -> dict | None:
+    """The last adaptation's report for ``target``'s CPU, or None (never adapted, or unreadable)."""
+    try:
+        return json.loads(state_path(target).read_text())
+    except (OSError, ValueError):
+        return None
