@@ -321,7 +321,8 @@ def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: Ke
             continue
         c = p.candidate
         rep.measured.append({"donor": c.record.id, "rank": pos, "score": c.score,
-                             "cost_score": c.cost_score, "status": r["status"], "latency_s": r["latency_s"]})
+                             "cost_score": c.cost_score, "status": r["status"], "latency_s": r["latency_s"],
+                             **({"same_program": p.same_program} if p.same_program else {})})
         if r["status"] != "ok":
             if (c.record.id, r.get("reason")) not in rep.rejections:
                 rep.rejections.append((c.record.id, r.get("reason") or r["status"]))

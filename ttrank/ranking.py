@@ -99,6 +99,8 @@ class Pick:
     candidate: Candidate | None
     transferred: Transferred | None = None
     row: dict | None = None
+    same_program: list[str] = field(default_factory=list)  # later candidates' record ids whose
+    # transfer gave this very program: measured once, as this pick
 
 
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
@@ -106,12 +108,16 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
               rejected: list | None = None) -> list[Pick]:
     """The first ``k`` candidates, in rank order (reordered by ``stage`` if given), that apply to
     ``kernel``: transfers go in rank order until ``k`` succeed (a rejection costs little).
-    ``known(candidate)`` returns the measurement row of a candidate measured before (it counts,
-    and is not transferred again); ``rejected`` collects (record id, reason) of failed transfers."""
+    A candidate whose transfer gives the same program as an earlier pick (structural hash) is
+    noted on that pick (``same_program``) and the next one is taken: one program, one build and
+    one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
+    before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
+    of failed transfers."""
     pre: dict[str, Transferred] = {}
     if stage is not None:
         cands, pre = rerank(kernel, cands, stage, target)
     picks: list[Pick] = []
+    programs: dict[str, Pick] = {}  # program hash -> the pick that measures it
     for c in cands:
         if len(picks) >= k:
             break
@@ -124,5 +130,9 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
             if rejected is not None:
                 rejected.append((c.record.id, t.reason))
             continue
-        picks.append(Pick(c, t))
+        h = t.program_hash()
+        if h in programs:
+            programs[h].same_program.append(c.record.id)
+            continue
+        picks.append(programs.setdefault(h, Pick(c, t)))
     return picks
