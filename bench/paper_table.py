@@ -53,7 +53,7 @@ from ttrank.locations import data_home, shipped_measurements
 from ttrank.measure import Measurer
 from ttrank.measurements import UNTUNED
 from ttrank.ranker import Ranker
-from ttrank.ranking import Pick, SecondStage, rank_kernel, shortlist
+from ttrank.ranking import AdaptiveK, Pick, SecondStage, rank_kernel, shortlist
 from ttrank.runtime import time_side_by_side, write_database
 from ttrank.target import make_target, provenance, runtime_threads
 from ttrank.training import ranker_without
@@ -72,6 +72,9 @@ METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 RANKS = tuple(f"rank{i}" for i in range(1, max(KS) + 1))
 MEASURED = (*RANKS, "sample_best", "paper")  # what one evaluation run measures per kernel
 RUN_VERSION = 2  # 2: ttrank's top-k ranked over the whole donor pool and measured in the run
+# recommend's default measuring policy, with the shipped ranker's k (5) as its bound: per kernel,
+# the ranks its scores and share of the model ask for (ttrank.ranking.AdaptiveK)
+POLICY = AdaptiveK(max(KS))
 
 
 def inputs_hash(net: str) -> str:
@@ -226,6 +229,15 @@ def row_of(run: dict) -> dict:
     others = {f"top{k}": {n: fastest(RANKS[:k], n) for n in w} for k in KS}
     others["exhaustive"] = {n: fastest((*RANKS, "sample_best"), n) for n in w}
     others["paper"] = {n: meas.get("paper", {}).get(n) for n in w}
+    # the adaptive policy: each kernel's k from the ranker's scores of its ranks (the run keeps
+    # those of ranks 1..5; a run without scores reads as a flat list) and its untuned share
+    u_all = sum(w[n] * untuned[n] for n in w)
+    policy_k = {}
+    for n in w:
+        scores = sorted((c["score"] for r in RANKS if (c := run["chosen"].get(r, {}).get(n))
+                         and c.get("score") is not None), reverse=True) or [0.0] * len(RANKS)
+        policy_k[n] = POLICY.k(scores, w[n] * untuned[n] / u_all if u_all else 1.0)
+    others["adaptive"] = {n: fastest(RANKS[:policy_k[n]], n) for n in w}
     m["others"] = {k: {n: v for n, v in d.items() if v is not None} for k, d in others.items()}
     curves, order = {}, []
     for n in w:
@@ -260,14 +272,16 @@ def row_of(run: dict) -> dict:
     measured = {f"top{k}": sum(min(k, have[n]) for n in w) for k in KS}
     measured["exhaustive"] = sum(run["pool"].get(n, 0) for n in w)  # every compatible schedule
     measured["paper"] = sum(run["paper_measured"].get(n, 0) for n in w)
+    adaptive_measured = sum(min(policy_k[n], have[n]) for n in w)
     # ttrank's ranking time (with the second stage and the transfers of its top 5) counts for
     # every ttrank method; the paper's hand-picked pairing is free
-    search = {meth: (measured[meth] + n_kernels) * per_cand + run["compile_seconds"]
-              + (run["ranking_seconds"] if meth != "paper" else 0.0) for meth in METHODS}
+    search = {meth: (measured.get(meth, adaptive_measured) + n_kernels) * per_cand + run["compile_seconds"]
+              + (run["ranking_seconds"] if meth != "paper" else 0.0) for meth in (*METHODS, "adaptive")}
+    lat_adaptive = ksum("adaptive") if m["others"].get("adaptive") else None
     row = {"latency_ms": lat, "speedup": {k: u / v if v else None for k, v in lat.items()},
            "pct_max_speedup": {meth: (u / lat[meth] - 1) / (s_max - 1) if s_max > 1 and lat[meth] else None
                                for meth in METHODS},
-           "search_seconds": search, "candidates_measured": measured, "metaschedule_search_seconds": run["log_search_seconds"],
+           "search_seconds": {meth: search[meth] for meth in METHODS}, "candidates_measured": measured, "metaschedule_search_seconds": run["log_search_seconds"],
            "metaschedule_trials": run["log_trials"], "metaschedule_trials_per_task": run["log_trials_per_task"],
            "metaschedule_seconds_to_match": {}, "metaschedule_time_ratio": {},
            "whole_model_ms": run["whole_model_ms"],
@@ -276,17 +290,28 @@ def row_of(run: dict) -> dict:
            # compare with ttrank's only when it searched on this CPU with the same threads
            "metaschedule_reference": same_machine(run) and (run["log_trials_per_task"] or 0) >= LONG_TRIALS,
            "ort_latency_ratio_top3": run["whole_model_ms"]["ttrank_top3"] / run["whole_model_ms"]["onnxruntime"],
-           "curve": [(t, 1e3 * v) for t, v in model_curve(curves, order, w, untuned)]}
-    for meth in METHODS:
-        if lat[meth] is None:
-            row["metaschedule_time_ratio"][meth] = {"value": None, "lower_bound": False}
-            continue
-        st = seconds_to_match(curves, order, w, untuned, lat[meth] / 1e3)
-        t = st["oracle"]
-        row["metaschedule_seconds_to_match"][meth] = st
-        # not reached within the log: the whole log is a lower bound
-        row["metaschedule_time_ratio"][meth] = {"value": (t if t is not None else run["log_search_seconds"]) / search[meth],
-                                               "lower_bound": t is None}
+           "curve": [(t, 1e3 * v) for t, v in model_curve(curves, order, w, untuned)],
+           # recommend's default policy (kept apart: the fixed top-k columns stay as they were)
+           "adaptive": {"policy": POLICY.to_json(), "k": policy_k, "candidates_measured": adaptive_measured,
+                        "latency_ms": lat_adaptive, "speedup": u / lat_adaptive if lat_adaptive else None,
+                        "pct_max_speedup": (u / lat_adaptive - 1) / (s_max - 1)
+                        if s_max > 1 and lat_adaptive else None,
+                        "search_seconds": search["adaptive"], "metaschedule_time_ratio": None}}
+    for meth in (*METHODS, "adaptive"):
+        value = lat[meth] if meth != "adaptive" else lat_adaptive
+        ratio = {"value": None, "lower_bound": False}
+        if value is not None:
+            st = seconds_to_match(curves, order, w, untuned, value / 1e3)
+            t = st["oracle"]
+            if meth != "adaptive":
+                row["metaschedule_seconds_to_match"][meth] = st
+            # not reached within the log: the whole log is a lower bound
+            ratio = {"value": (t if t is not None else run["log_search_seconds"]) / search[meth],
+                     "lower_bound": t is None}
+        if meth == "adaptive":
+            row["adaptive"]["metaschedule_time_ratio"] = ratio
+        else:
+            row["metaschedule_time_ratio"][meth] = ratio
     return row
 
 
@@ -325,6 +350,18 @@ def build_table(nets: list[str]) -> dict:
                 ratios = [r["metaschedule_time_ratio"][meth] for r in rows.values() if keep(r)]
                 avg[f"metaschedule_time_ratio_{meth}{suffix}"] = geomean(x["value"] for x in ratios)
                 avg[f"metaschedule_time_ratio_{meth}{suffix}_is_lower_bound"] = any(x["lower_bound"] for x in ratios)
+        # the adaptive policy, and the candidates each method measures per network
+        for suffix, keep in (("", lambda r: True), ("_reference", lambda r: r["metaschedule_reference"])):
+            ad = [r["adaptive"] for r in rows.values() if keep(r)]
+            avg[f"pct_max_speedup_adaptive{suffix}"] = mean([a["pct_max_speedup"] for a in ad])
+            avg[f"metaschedule_time_ratio_adaptive{suffix}"] = geomean(
+                a["metaschedule_time_ratio"]["value"] for a in ad)
+            avg[f"metaschedule_time_ratio_adaptive{suffix}_is_lower_bound"] = any(
+                a["metaschedule_time_ratio"]["lower_bound"] for a in ad)
+            for k in ("top1", "top3", "top5"):
+                avg[f"candidates_{k}{suffix}"] = mean([r["candidates_measured"][k] for r in rows.values() if keep(r)])
+            avg[f"candidates_adaptive{suffix}"] = mean([a["candidates_measured"] for a in ad])
+        avg["speedup_adaptive"] = mean([r["adaptive"]["speedup"] for r in rows.values()])
         avg["ort_latency_ratio_top3"] = mean([r["ort_latency_ratio_top3"] for r in rows.values()])
         # the target for onnxruntime is on the CNNs: the transformers have their own row
         avg["ort_latency_ratio_top3_cnn"] = mean([r["ort_latency_ratio_top3"] for n, r in rows.items()
@@ -373,7 +410,10 @@ def write_outputs(table: dict) -> None:
                  "exhaustive": "the fastest of ttrank's top 5 and the collected sample (a lower bound on "
                                "measuring the whole pool); its search time is the whole pool's",
                  "paper": "the paired donor network's exact-class schedules, tiles as they are, the "
-                          "fastest by the collector's measurements, re-measured in the run"}}
+                          "fastest by the collector's measurements, re-measured in the run",
+                 "adaptive": "recommend's default measuring policy (ttrank.ranking.AdaptiveK, bound 5): per "
+                             "kernel, the fastest of the ranks the ranker cannot tell from its top-1, fewer "
+                             "for kernels with a small share of the untuned model; from the same run"}}
     atomic_write_json(RESULTS / "paper_table.json", table)
     L = ["# ttrank vs transfer-tuning (paper) vs MetaSchedule vs onnxruntime", "",
          "Leave-one-out per network; latencies are kernel sums measured side by side in one run "
@@ -423,6 +463,19 @@ def write_outputs(table: dict) -> None:
         if ref := a.get("networks_reference"):
             L.append(f"| % of max speedup, long runs on this machine ({', '.join(ref)}) | {pct('_reference')} |")
             L.append(f"| MetaSchedule time ratio, long runs on this machine | {ratio('_reference')} |")
+        L += ["", f"Adaptive measuring ({POLICY.to_json()}): per kernel, the ranks the ranker cannot tell "
+                  "from its top-1, fewer for kernels with a small share of the model (same runs).", "",
+              "| average over networks | candidates top-1 / top-3 / top-5 / adaptive | % of max speedup "
+              "adaptive | MetaSchedule time ratio adaptive |", "|---|---|---|---|"]
+        for suffix, label in (("", "all"), ("_reference", "long runs on this machine")):
+            if suffix and not a.get("networks_reference"):
+                continue
+            cands = " / ".join(f(a.get(f"candidates_{m}{suffix}"), "{:.0f}") for m in ("top1", "top3", "top5", "adaptive"))
+            v = a.get(f"pct_max_speedup_adaptive{suffix}")
+            rt = a.get(f"metaschedule_time_ratio_adaptive{suffix}")
+            L.append(f"| {label} | {cands} | {f(100 * v if v is not None else None, '{:.0f}%')} | "
+                     f"{'>' if a.get(f'metaschedule_time_ratio_adaptive{suffix}_is_lower_bound') and rt else ''}"
+                     f"{f(rt, '{:.1f}x')} |")
         L += ["", f"ttrank top-3 whole-model latency / onnxruntime, average: {a['ort_latency_ratio_top3']:.2f}"
                   + (f" (CNNs only: {a['ort_latency_ratio_top3_cnn']:.2f})"
                      if a.get("ort_latency_ratio_top3_cnn") is not None else "")]

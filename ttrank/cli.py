@@ -413,7 +413,7 @@ def cmd_recommend(args) -> int:
             database_dir=args.database, runner=runner, data_dir=args.data_dir,
             exclude_networks=set(args.exclude_network or []), leave_one_out=args.leave_one_out,
             tune_missing=pipeline.TUNE_MISSING_SECONDS if args.tune_missing is None else args.tune_missing,
-            minor_share=args.minor_share,
+            minor_share=args.minor_share, adaptive=not args.fixed_k,
             measure_budget_s=args.measure_seconds if args.measure_seconds < float("inf") else None,
             on_progress=on_progress, on_note=con.print)
     _print_report(con, res)
@@ -455,6 +455,10 @@ def _print_report(con, res) -> None:
                   f"({res.provenance.get('threads')} threads each)")
     con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
               f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
+    if res.anytime:  # the whole curve is in the JSON report
+        first, last = res.anytime[0], res.anytime[-1]
+        con.print(f"estimated model latency: {first['estimated_ms']:.2f} ms before measuring, "
+                  f"{last['estimated_ms']:.2f} ms after {last['measured']} candidates (at {last['seconds']:.0f} s)")
     left = res.provenance.get("candidates_left_unmeasured")
     if left:
         con.print(f"the measuring budget left {left} lower-ranked candidates unmeasured")
@@ -613,7 +617,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r)
     r.add_argument("-o", "--output", help="compiled library (default: MODEL.so)")
     r.add_argument("--top-k", type=int, default=None,
-                   help="candidates measured per kernel (default: chosen by the ranker's evaluation)")
+                   help="the most candidates measured per kernel (default: chosen by the ranker's "
+                        "evaluation); each kernel gets those the ranker cannot tell from its top-1, "
+                        "fewer when its share of the model is small")
+    r.add_argument("--fixed-k", action="store_true",
+                   help="measure --top-k candidates for every kernel over --minor-share, whatever "
+                        "the ranker's confidence")
     r.add_argument("--minor-share", type=float, default=0.002, metavar="FRACTION",
                    help="kernels under this share of the untuned model time get only their top-1 "
                         "candidate (default 0.002; 0 measures top-k everywhere)")

@@ -4,15 +4,22 @@ A store is a list of work_dirs (ours under ``datasets/donors/<network>/``, or an
 MetaSchedule logs). Each is parsed once into an index (cached by the files' content hash):
 per workload, its :class:`~ttrank.kernels.Kernel` description and its best few records,
 with provenance. Bad lines, records for another target and unparsable workloads are skipped
-and counted, never fatal.
+and counted, never fatal. The whole store is then kept as one compact index (the work_dirs'
+indexes plus every record's donor features, the workloads' TIR left as text until a transfer
+needs it), keyed by the database files' paths, sizes and mtimes: a run that finds it loads
+the store without reading, hashing or parsing any log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
 import gzip
 import hashlib
 import json
 import logging
+import pickle
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -21,7 +28,7 @@ from typing import Any
 
 from . import locations
 from .errors import StoreError
-from .features import donor_features, pair_features
+from .features import FEATURE_VERSION, donor_features, pair_features
 from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
@@ -32,6 +39,7 @@ from .workdir import (MANIFEST_FILE, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, da
 log = logging.getLogger("ttrank")
 
 INDEX_VERSION = 3  # 3: records with annotations TVM reads as code are skipped
+STORE_INDEX_VERSION = 1  # the whole-store index (see _store_index); + INDEX_VERSION and FEATURE_VERSION
 @dataclass
 class DonorRecord:
     """One tuned schedule of one donor kernel, with provenance."""
@@ -60,7 +68,9 @@ class DonorRecord:
 class DonorWorkload:
     network: str
     kernel: Kernel
-    workload_json: Any = field(repr=False)  # the JSONDatabase workload line
+    # the JSONDatabase workload line, parsed; or its JSON text (the store index keeps the TIR,
+    # most of its bytes, unparsed: only the few workloads a transfer touches are ever read)
+    workload_json: Any = field(repr=False)
     records: list[DonorRecord] = field(default_factory=list)
 
     _mod: Any = field(default=None, repr=False, compare=False)
@@ -74,7 +84,8 @@ class DonorWorkload:
         if self._mod is None:
             from tvm.s_tir import meta_schedule as ms
 
-            self._mod = ms.database.Workload.from_json(self.workload_json).mod
+            wl = json.loads(self.workload_json) if isinstance(self.workload_json, str) else self.workload_json
+            self._mod = ms.database.Workload.from_json(wl).mod
         return self._mod
 
     @property
@@ -192,12 +203,14 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
 class DonorStore:
     """Donor workloads from several work_dirs, indexed by anchor op and workload class."""
 
-    def __init__(self, workloads: list[DonorWorkload], reports: list[LoadReport] | None = None):
+    def __init__(self, workloads: list[DonorWorkload], reports: list[LoadReport] | None = None,
+                 donor_features: dict[str, tuple] | None = None):
         self.workloads = workloads
         self.reports = reports or []
         self._by_anchor: dict[str, list[DonorWorkload]] = defaultdict(list)
         self._by_class: dict[str, list[DonorWorkload]] = defaultdict(list)
-        self._donor_features: dict[str, tuple] = {}
+        # per record id, :func:`ttrank.features.donor_features` (the store index brings them)
+        self._donor_features: dict[str, tuple] = dict(donor_features or {})
         for w in workloads:
             self._by_anchor[w.kernel.anchor_op].append(w)
             self._by_class[w.kernel.workload_class].append(w)
@@ -205,15 +218,21 @@ class DonorStore:
     @classmethod
     def load(cls, work_dirs: list[str | Path] | None = None, top_k: int = 5, target=None,
              use_cache: bool = True) -> DonorStore:
-        """Load work_dirs (default: the shipped datasets plus the user's added donors)."""
+        """Load work_dirs (default: the shipped datasets plus the user's added donors): from
+        the store index when one matches their files, else indexed (and the index written)."""
         dirs = [Path(d) for d in work_dirs] if work_dirs is not None else default_work_dirs()
-        workloads, reports = [], []
-        for d in dirs:
-            with file_lock(d, shared=True):  # never halfway through a `donors add` into d
-                ws, rep = _cached_index(d, top_k, target, use_cache)
-            workloads.extend(ws)
-            reports.append(rep)
-        return cls(workloads, reports)
+        with contextlib.ExitStack() as locks:
+            for d in dirs:  # never halfway through a `donors add` into one of them
+                locks.enter_context(file_lock(d, shared=True))
+            return cls(*_store_index(dirs, top_k, target, use_cache))
+
+    def features_of_records(self) -> dict[str, tuple]:
+        """Every record's donor features (computed where missing): what the store index keeps."""
+        for w in self.workloads:
+            for r in w.records:
+                if r.id not in self._donor_features:
+                    self._donor_features[r.id] = donor_features(w.kernel, r.trace_json)
+        return self._donor_features
 
     def pair_features(self, target: Kernel, w: DonorWorkload, r: DonorRecord,
                       target_part: dict | None = None) -> dict[str, float]:
@@ -246,7 +265,8 @@ class DonorStore:
         return out
 
     def without(self, networks: set[str]) -> DonorStore:
-        return DonorStore([w for w in self.workloads if w.network not in networks], self.reports)
+        return DonorStore([w for w in self.workloads if w.network not in networks], self.reports,
+                          self._donor_features)
 
 
 def shipped_work_dirs() -> list[Path]:
@@ -289,6 +309,69 @@ def network_of(work_dir: str | Path) -> str:
     return name
 
 
+def store_index_path(dirs: list[Path], top_k: int = 5, target=None) -> Path:
+    """Where the store index of ``dirs`` lives: its name is a hash of each work_dir's database
+    files (path, size, mtime; a `donors add`, a retune or a growing log changes them), the
+    index formats, ``top_k`` and the target. Stat, not content: no log is read to find it."""
+    h = hashlib.sha256(f"v{STORE_INDEX_VERSION}.{INDEX_VERSION}.{FEATURE_VERSION} {top_k} "
+                       f"{target_key(target) if target is not None else 'any'}".encode())
+    for d in dirs:
+        for f in (db_file(d, WORKLOAD_FILE), db_file(d, RECORD_FILE)):
+            if f is None:
+                raise StoreError(f"{d}: not a MetaSchedule work_dir")
+            st = f.stat()
+            h.update(f"\n{f.resolve()} {st.st_size} {st.st_mtime_ns}".encode())
+    return cache_dir() / "index" / f"store-{h.hexdigest()[:24]}.pkl"
+
+
+def _store_index(dirs: list[Path], top_k: int, target, use_cache: bool
+                 ) -> tuple[list[DonorWorkload], list[LoadReport], dict[str, tuple]]:
+    """(workloads, reports, donor features) of ``dirs``, from the store index if it is there.
+
+    The index is a pickle that only ttrank writes, in the user's own cache (donor logs
+    themselves are never unpickled: they are parsed as JSON, see ``index_work_dir``)."""
+    path = store_index_path(dirs, top_k, target)
+    if use_cache and path.exists():
+        try:
+            with open(path, "rb") as f, _no_gc():
+                data = pickle.load(f)
+            if data.get("version") == STORE_INDEX_VERSION:
+                return data["workloads"], data["reports"], data["donor_features"]
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, KeyError, TypeError):
+            log.info("store index %s unreadable; rebuilding", path)
+    workloads, reports = [], []
+    for d in dirs:
+        ws, rep = _cached_index(d, top_k, target, use_cache)
+        workloads.extend(ws)
+        reports.append(rep)
+    store = DonorStore(workloads, reports)
+    feats = store.features_of_records()
+    if use_cache:
+        # the TIR as text: most of the index's bytes, read back only for the workloads transferred
+        # (and no TVM object: a freshly parsed kernel holds its IRModule, rebuilt from the text)
+        compact = [DonorWorkload(w.network, dataclasses.replace(w.kernel, mod=None),
+                                 w.workload_json if isinstance(w.workload_json, str)
+                                 else json.dumps(w.workload_json), w.records) for w in workloads]
+        atomic_write_bytes(path, pickle.dumps({"version": STORE_INDEX_VERSION, "workloads": compact,
+                                               "reports": reports, "donor_features": feats},
+                                              protocol=pickle.HIGHEST_PROTOCOL))
+    return workloads, reports, feats
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The cyclic garbage collector paused: the index's traces are about a million small lists,
+    and the collector, triggered over and over while they are created, made loading it 5-10x
+    slower (no cycle is made here)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
                   ) -> tuple[list[DonorWorkload], LoadReport]:
     wl, rec = db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)
@@ -312,7 +395,8 @@ def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
             log.info("index cache %s unreadable; rebuilding", path)
     ws, rep = index_work_dir(work_dir, top_k=top_k, target=target)
     data = {"workloads": [{"network": w.network, "kernel": _kernel_json(w.kernel),
-                           "workload_json": w.workload_json,
+                           "workload_json": (json.loads(w.workload_json) if isinstance(w.workload_json, str)
+                                             else w.workload_json),
                            "records": [r.to_json() for r in w.records]} for w in ws],
             "report": asdict(rep)}
     atomic_write_bytes(path, gzip.compress(json.dumps(data).encode(), compresslevel=3))

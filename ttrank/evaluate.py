@@ -16,6 +16,7 @@ import numpy as np
 
 from .collect import Dataset
 from .features import FEATURE_NAMES
+from .ranking import FixedK
 
 
 def group_spans(ds: Dataset) -> list[tuple[int, int]]:
@@ -144,3 +145,37 @@ def _regroup(ds: Dataset, rows: list[int]) -> list[int]:
     if n:
         groups.append(n)
     return groups
+
+
+def policy_curve(ds: Dataset, scores: np.ndarray, policies: dict[str, FixedK]) -> dict[str, dict]:
+    """Quality against candidates measured, per measuring policy, on (out-of-fold) ``scores``:
+    ``quality`` is the weighted top-k score with each kernel's k from the policy,
+    ``candidates`` the mean k per kernel. A kernel's share is its weight x untuned latency over
+    its network's (weight x best latency where the table has no untuned time)."""
+    spans = []
+    net_total: dict[str, float] = defaultdict(float)
+    for a, b in group_spans(ds):
+        lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]
+        best = min((x for x in lat if x), default=None)
+        if best is None:
+            continue
+        m = ds.meta[a]
+        cost = m["weight"] * (m.get("untuned_s") or best)
+        net_total[m["network"]] += cost
+        spans.append((a, b, lat, best, cost))
+    out = {}
+    for name, policy in policies.items():
+        acc = total_w = n_k = 0.0
+        for a, b, lat, best, cost in spans:
+            s = np.asarray(scores[a:b])
+            order = np.argsort(-s, kind="stable")
+            share = cost / net_total[ds.meta[a]["network"]]
+            k = policy.k(s[order], share)
+            top = [lat[i] for i in order[:k] if lat[i]]
+            w = ds.meta[a]["weight"] * best
+            acc += w * (best / min(top) if top else 0.0)
+            total_w += w
+            n_k += k
+        out[name] = {"quality": acc / total_w if total_w else 0.0,
+                     "candidates": n_k / len(spans) if spans else 0.0, "policy": policy.to_json()}
+    return out

@@ -26,7 +26,7 @@ from .kernels import Kernel, extract
 from .measure import Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
-from .ranking import Candidate, Pick, SecondStage, rank_kernel, shortlist
+from .ranking import Candidate, FixedK, Pick, SecondStage, policy_of, rank_kernel, shortlist
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
 from .target import host_mcpu, is_foreign, make_target, provenance, target_key
@@ -61,7 +61,8 @@ class KernelReport:
     tuning: dict | None = None  # recommend's own MetaSchedule run: seconds, trials, before/after
     chosen: dict | None = None  # donor network, kernel, record, rank, score, latency_s, method
     candidates: int = 0  # compatible candidates ranked
-    top_k: int = 0  # how many of them were to be measured
+    top_k: int = 0  # the most the policy measures for a kernel of this share of the model
+    k: int = 0  # how many the policy chose to measure (the ranker's confidence, the share)
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -87,13 +88,16 @@ class Result:
     target: str
     compiled: object = field(default=None, repr=False)
     provenance: dict = field(default_factory=dict)
+    # the model's estimated latency (sum of weight x best kernel so far) after the untuned
+    # kernels, after each measured batch and after tuning: what more time bought, and would buy
+    anytime: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"model": self.model, "target": self.target, "database": self.database,
                 "library": self.library, "model_latency_ms": self.model_latency_ms,
                 "max_abs_error_vs_onnxruntime": self.max_abs_error_vs_onnxruntime,
-                "search_seconds": self.search_seconds, "provenance": self.provenance,
-                "kernels": [k.to_json() for k in self.kernels]}
+                "search_seconds": self.search_seconds, "anytime": self.anytime,
+                "provenance": self.provenance, "kernels": [k.to_json() for k in self.kernels]}
 
 
 
@@ -106,12 +110,16 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
               tune_missing: float = TUNE_MISSING_SECONDS, check: bool = True, time_model: bool = True,
               untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
               measure_budget_s: float | None = None, on_progress: Progress | None = None,
-              on_note: Callable[[str], None] | None = None) -> Result:
-    """Transfer-tune ``model``: rank, measure the top-k per kernel, compile with the winners.
+              on_note: Callable[[str], None] | None = None, policy: FixedK | None = None,
+              adaptive: bool = True) -> Result:
+    """Transfer-tune ``model``: rank, measure the top candidates per kernel, compile with the winners.
 
-    ``top_k`` defaults to the k chosen when the ranker was trained (its metadata). Kernels
-    under ``minor_share`` of the untuned model time (weight x untuned latency) get only their
-    top-1 candidate: more could not move the model's latency by more than a fraction of that.
+    How many candidates a kernel gets is ``policy``'s (:mod:`ttrank.ranking`); by default
+    :class:`~ttrank.ranking.AdaptiveK`: the candidates the ranker cannot tell from its top-1, at
+    most ``top_k`` (default: the k chosen when the ranker was trained, its metadata), fewer for
+    kernels with a small share of the untuned model time (weight x untuned latency), and only
+    the top-1 under ``minor_share``: more could not move the model's latency by more than a
+    fraction of that. ``adaptive=False``: ``top_k`` for every kernel over ``minor_share``.
     With ``measure_budget_s``, measuring stops once that many seconds have gone (after at least
     one batch): candidates are measured by rank, every kernel's first before any kernel's second,
     and larger shares of the untuned model first, so a short budget still covers every kernel.
@@ -143,8 +151,9 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
             ranker = ranker_without(model.name, ranker, store)
     if runner.kind == "local" and (why := cpu_mismatch(ranker, target, top_k)):
         note(why)
-    # the ranker's own choice: the k its leave-one-network-out evaluation found worth measuring
-    top_k = top_k or int(ranker.metadata.get("top_k") or 3)
+    # at most the k the ranker's leave-one-network-out evaluation found worth measuring
+    policy = policy or policy_of(ranker, top_k, minor_share, adaptive)
+    top_k = policy.max_k
     # the measuring machine's CPU: over RPC, what the devices report, never the host's
     prov = compact_provenance(runner.provenance(target))
     tkey = target_key(target)
@@ -183,10 +192,14 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         picks, shares = {}, {}
         for k in kernels:
             picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
-                                                       top_k, minor_share, stage2, cached, target)
+                                                       policy, stage2, cached, target)
             progress("transferring", len(picks), len(kernels), k.name)
+        anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
         fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
-                                           stamp, measure_budget_s, t0, progress)
+                                           stamp, measure_budget_s, t0, progress,
+                                           lambda fresh, n: anytime.append(
+                                               _anytime_point("measuring", t_start, kernels, picks, fresh,
+                                                              reports, n)))
         chosen = {k.name: t for k in kernels
                   if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
     finally:
@@ -198,6 +211,10 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     extra_db = _tune_missing(model, kernels, store, exclude_networks, chosen, reports, tune_missing,
                              target, progress, runner)
     t_tune = time.time() - t0
+    if extra_db is not None:  # what tuning the missing kernels bought, on the same curve
+        anytime.append({"seconds": round(time.time() - t_start, 2), "phase": "tuned missing",
+                        "measured": anytime[-1]["measured"],
+                        "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)})
 
     # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
     t0 = time.time()
@@ -213,10 +230,12 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                             "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                             "total": round(time.time() - t_start, 2)},
                   str(target), compiled, {**provenance(target), "fast_math": model.fast_math,
-                                          "top_k": top_k, "minor_share": minor_share,
+                                          "top_k": top_k, "minor_share": policy.minor_share,
+                                          "policy": policy.to_json(),
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
                                           "measure_budget_s": measure_budget_s,
-                                          "candidates_left_unmeasured": unmeasured})
+                                          "candidates_left_unmeasured": unmeasured},
+                  anytime)
 
 
 def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
@@ -246,16 +265,17 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
 
 
 def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: dict[str, KernelReport],
-               top_k: int, minor_share: float, stage2: SecondStage | None, cached: dict, target
+               policy: FixedK, stage2: SecondStage | None, cached: dict, target
                ) -> tuple[list[Pick] | None, float]:
-    """The kernel's candidates to measure (k by its share of the untuned model), and that share;
-    None when it has no candidate at all."""
+    """The kernel's candidates to measure (as many as ``policy`` gives it for the ranker's
+    scores and its share of the untuned model), and that share; None when it has no candidate."""
     if not ranked:
         rep.why = "no compatible donor schedule"
         return None, 0.0
     total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
     share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
-    rep.top_k = top_k if share >= minor_share else 1
+    rep.top_k = policy.bound(share)
+    rep.k = policy.k([c.score for c in ranked], share)
 
     def known(c: Candidate) -> dict | None:  # measured by an earlier run: counts, not again
         r = cached.get((k.workload_hash, c.record.id))
@@ -265,16 +285,41 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
             rep.rejections.append((c.record.id, r.get("reason", r["status"])))
         return r
 
-    return shortlist(k, ranked, rep.top_k, target, stage2 if rep.top_k > 1 else None,
+    # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
+    # change); only minor kernels skip it
+    return shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
                      known, rep.rejections), share
+
+
+def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelReport]) -> float:
+    """The model's estimated latency (ms): weight x each kernel's best latency so far."""
+    return round(1e3 * sum(r.weight * (best_s.get(n) or r.untuned_s or 0.0) for n, r in reports.items()), 4)
+
+
+def _anytime_point(phase: str, t_start: float, kernels: list[Kernel], picks: dict[str, list[Pick] | None],
+                   fresh: dict[int, dict], reports: dict[str, KernelReport], measured: int) -> dict:
+    """One point of the anytime curve: seconds since the run began, candidates measured so far,
+    and the model's estimated latency with the fastest correct schedule known per kernel (the
+    first point, "untuned", counts what earlier runs measured)."""
+    best: dict[str, float | None] = {}
+    for k in kernels:
+        rep = reports[k.name]
+        lats = [r["latency_s"] for p in picks.get(k.name) or []
+                if (r := p.row or fresh.get(id(p))) is not None and r["status"] == "ok" and r["latency_s"]]
+        best[k.name] = min([*lats, rep.untuned_s] if rep.untuned_s else lats, default=None)
+    return {"seconds": round(time.time() - t_start, 2), "phase": phase, "measured": measured,
+            "estimated_ms": _estimate_ms(best, reports)}
 
 
 def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pick]], shares: dict,
                    measurer: Measurer, table: Path, reports: dict[str, KernelReport], stamp: dict,
-                   budget_s: float | None, t0: float, progress: Progress) -> tuple[dict[int, dict], int]:
+                   budget_s: float | None, t0: float, progress: Progress,
+                   on_batch: Callable[[dict[int, dict], int], None] | None = None
+                   ) -> tuple[dict[int, dict], int]:
     """Measure the transferred picks in batches: every kernel's first before any kernel's
-    second, big shares of the model first, until the budget runs out. Returns (row by
-    id(pick), candidates left unmeasured)."""
+    second, big shares of the model first, until the budget runs out. ``on_batch(rows so far,
+    candidates measured)`` after each batch. Returns (row by id(pick), candidates left
+    unmeasured)."""
     todo = [(k, p, i) for k in kernels for i, p in enumerate(picks[k.name] or []) if p.row is None]
     todo.sort(key=lambda x: (x[2], -shares[x[0].name]))
     fresh: dict[int, dict] = {}
@@ -303,6 +348,8 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
                 target_key=stamp["target_key"], devices=m.devices)  # devices: a fleet's, that ran it
             rows.append(r)
         append_jsonl(table, rows)
+        if on_batch:
+            on_batch(fresh, measured)
         progress("measuring", measured, len(todo), part[-1][0].name)
     return fresh, len(todo) - measured
 
@@ -321,7 +368,8 @@ def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: Ke
             continue
         c = p.candidate
         rep.measured.append({"donor": c.record.id, "rank": pos, "score": c.score,
-                             "cost_score": c.cost_score, "status": r["status"], "latency_s": r["latency_s"]})
+                             "cost_score": c.cost_score, "status": r["status"], "latency_s": r["latency_s"],
+                             **({"same_program": p.same_program} if p.same_program else {})})
         if r["status"] != "ok":
             if (c.record.id, r.get("reason")) not in rep.rejections:
                 rep.rejections.append((c.record.id, r.get("reason") or r["status"]))

@@ -73,6 +73,15 @@ class Transferred:
     def ok(self) -> bool:
         return self.status == VALID
 
+    def program_hash(self) -> str:
+        """The transferred program's structural hash (``""`` when nothing applied): two donor
+        schedules that transfer to the same program need one build and one measurement."""
+        if self.mod is None:
+            return ""
+        import tvm_ffi  # TVM loads slowly: only once a program exists
+
+        return f"{tvm_ffi.structural_hash(self.mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+
     def summary(self) -> dict:
         return {"kernel": self.kernel.name, "donor_network": self.donor.network,
                 "donor_kernel": self.donor.kernel.name, "donor_record": self.record.id,

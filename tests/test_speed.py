@@ -1,0 +1,137 @@
+"""recommend's search time (issue #20): measure what is uncertain, no duplicate work, the donor
+store from one index, and the anytime curve in the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import ttrank
+from ttrank import donors, frontend, zoo
+from ttrank.collect import Dataset
+from ttrank.evaluate import policy_curve
+from ttrank.kernels import extract
+from ttrank.ranker import Ranker
+from ttrank.ranking import AdaptiveK, FixedK, policy_of, rank_kernel, shortlist
+
+
+def test_adaptive_policy_measures_what_the_ranker_is_unsure_of():
+    policy = AdaptiveK(max_k=5, gap=0.1, full_share=0.05, minor_share=0.002)
+    flat = [0.90, 0.88, 0.86, 0.85, 0.84, 0.80]  # the ranker cannot tell its top five apart
+    confident = [0.95, 0.60, 0.55]  # its top-1 is far ahead
+    assert policy.k(flat, share=0.30) == 5  # a big kernel with a flat list: up to the bound
+    assert policy.k(confident, share=0.30) == 1  # a confident ranking: its top-1
+    assert policy.k(flat, share=0.01) == 1  # a small kernel (a fifth of full_share): fewer
+    assert policy.k(flat, share=0.02) == 2
+    assert policy.k(flat, share=0.001) == 1  # under minor_share: top-1, as before the policy
+    # the bound is what the report's top_k says (1 under minor_share, as before)
+    assert policy.bound(0.30) == 5 and policy.bound(0.001) == 1
+    # the fixed policy is the old behaviour: k everywhere but the minor kernels
+    fixed = FixedK(3, minor_share=0.002)
+    assert fixed.k(confident, 0.30) == 3 and fixed.k(flat, 0.001) == 1
+
+
+def test_the_policy_follows_the_ranker_and_its_calibration(trained):
+    ranker = Ranker.load(trained)
+    # bound: the caller's top_k, else the k the ranker's evaluation chose
+    assert policy_of(ranker, top_k=4).max_k == 4
+    assert isinstance(policy_of(ranker, 4, adaptive=False), FixedK)
+    ranker.metadata["policy"] = {"gap": 0.2, "full_share": 0.03}  # what a calibration stored
+    p = policy_of(ranker, 4)
+    assert (p.gap, p.full_share) == (0.2, 0.03) and p.to_json()["policy"] == "AdaptiveK"
+
+
+def test_policy_curve_trades_candidates_for_quality():
+    """Two kernels of one network: the ranker is sure of the first (and right), unsure of the
+    second (and its top-1 is wrong): the adaptive policy measures the second's top two only."""
+    lat = [1.0, 2.0, 3.0, 1.1, 1.0, 5.0]
+    meta = [{"network": "n", "workload": w, "record": str(i), "latency_s": x, "weight": 1, "untuned_s": 10.0}
+            for i, (w, x) in enumerate(zip("aaabbb", lat))]
+    ds = Dataset(np.zeros((6, 1), np.float32), np.ones(6, np.float32), [3, 3], meta)
+    scores = np.array([0.9, 0.3, 0.2, 0.80, 0.79, 0.1])
+    curve = policy_curve(ds, scores, {"top1": FixedK(1), "top3": FixedK(3),
+                                      "adaptive": AdaptiveK(3, gap=0.05, full_share=0.01)})
+    assert curve["top1"]["quality"] < curve["adaptive"]["quality"] == curve["top3"]["quality"] == 1.0
+    assert curve["adaptive"]["candidates"] == 1.5 and curve["top3"]["candidates"] == 3
+
+
+def test_candidates_that_transfer_to_one_program_are_measured_once(trained, donor_dir, tiny_cnn, target):
+    store = donors.DonorStore.load([donor_dir])
+    kernel = next(k for k in extract(frontend.load(tiny_cnn).mod, target) if k.anchor_op == "conv2d_nchw")
+    best = rank_kernel(kernel, store, Ranker.load(trained))[0]
+    # the same schedule offered twice (as two donors' identical schedules would be)
+    twin = dataclasses.replace(best, record=dataclasses.replace(best.record, id=best.record.id + "-twin"))
+    picks = shortlist(kernel, [best, twin], 2, target)
+    assert len(picks) == 1 and picks[0].same_program == [twin.record.id]
+    # a whole shortlist holds distinct programs
+    picks = shortlist(kernel, rank_kernel(kernel, store, Ranker.load(trained)), 5, target)
+    hashes = [p.transferred.program_hash() for p in picks]
+    assert len(hashes) == len(set(hashes))
+
+
+def test_kernels_with_one_workload_are_one_kernel(tmp_path, target):
+    """Two identical conv blocks (different weights): one kernel of weight 2, so one untuned
+    measurement and one shortlist serve both (MetaSchedule's task extraction merges them)."""
+    g = zoo.GraphBuilder("twin_convs", seed=0)
+    x = g.input("input", [1, 8, 16, 16])
+    x = g.relu(g.conv(x, 8, 8, 3, pad=1))
+    x = g.relu(g.conv(x, 8, 8, 3, pad=1))
+    g.output(x, [1, 8, 16, 16])
+    onnx.save(g.model(), str(tmp_path / "twin.onnx"))
+    kernels = extract(frontend.load(tmp_path / "twin.onnx").mod, target)
+    convs = [k for k in kernels if k.anchor_op == "conv2d_nchw"]
+    assert len(convs) == 1 and convs[0].weight == 2
+    assert len({k.workload_hash for k in kernels}) == len(kernels)
+
+
+def test_the_donor_store_loads_from_one_index(donor_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    first = donors.DonorStore.load([donor_dir])
+    index = donors.store_index_path([donor_dir])
+    assert index.exists()
+    # the next load reads the index alone: no log is parsed, nor any record's features computed
+    monkeypatch.setattr(donors, "_cached_index", lambda *a: pytest.fail("a log was read"))
+    monkeypatch.setattr(donors, "donor_features", lambda *a: pytest.fail("features recomputed"))
+    again = donors.DonorStore.load([donor_dir])
+    assert [r.id for r in again.records()] == [r.id for r in first.records()]
+    assert [r.trace_json for r in again.records()] == [r.trace_json for r in first.records()]
+    assert set(again.features_of_records()) == {r.id for r in first.records()}
+    # the workload's TIR is parsed only when a transfer asks for it
+    assert str(again.workloads[0].module()) == str(first.workloads[0].module())
+
+
+def test_the_store_index_follows_the_logs(donor_dir, tmp_path):
+    """A log that changes (a `donors add`, a retune) is a new index: stat, not content."""
+    import shutil
+
+    work = tmp_path / "tiny_resnet"
+    shutil.copytree(donor_dir, work)
+    before = donors.store_index_path([work])
+    rec = next(p for p in work.iterdir() if p.name.startswith("database_tuning_record"))
+    rec.write_bytes(rec.read_bytes())  # the same content, written again
+    assert donors.store_index_path([work]) != before
+    assert donors.store_index_path([work], top_k=3) != donors.store_index_path([work])
+
+
+def test_recommend_reports_what_more_time_would_buy(trained, donor_dir, tiny_cnn, tmp_path):
+    res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
+                           ranker=Ranker.load(trained), top_k=3, data_dir=tmp_path / "data",
+                           database_dir=tmp_path / "db", time_model=False, tune_missing=0)
+    curve = res.to_json()["anytime"]
+    # the estimated model latency after the untuned kernels, then after each measured batch
+    assert curve[0]["phase"] == "untuned" and curve[0]["measured"] == 0
+    assert curve[0]["estimated_ms"] == pytest.approx(
+        1e3 * sum(k.weight * k.untuned_s for k in res.kernels), rel=1e-3)
+    assert [p["seconds"] for p in curve] == sorted(p["seconds"] for p in curve)
+    assert all(b["estimated_ms"] <= a["estimated_ms"] for a, b in zip(curve, curve[1:]))
+    assert curve[-1]["measured"] == sum(len(k.measured) for k in res.kernels)
+    assert curve[-1]["estimated_ms"] == pytest.approx(1e3 * sum(k.weight * k.best_s for k in res.kernels),
+                                                      rel=1e-3)
+    # each kernel measured what the policy gave it, never more than top_k
+    assert res.provenance["policy"]["policy"] == "AdaptiveK"
+    assert all(len(k.measured) <= k.k <= k.top_k <= 3 for k in res.kernels if k.candidates)
+    json.dumps(res.to_json())
