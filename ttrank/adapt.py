@@ -144,6 +144,9 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         zoo.get(n)  # an unknown name is one clear error before any work
     mcpu = str(target.attrs.get("mcpu") or host_mcpu())
     rep = AdaptReport(mcpu, budget_s, provenance=provenance(target))
+    if (before := adapted(target)):
+        note(f"continuing the adaptation of {before['mcpu']} ({before['runs']} run(s) so far, "
+             f"{before['tuned_kernels']}/{before['planned']} kernels tuned)")
     with file_lock(state_path(target)):  # one adaptation of a CPU at a time
         store = DonorStore.load(donor_dirs)
         todo = [p for p in plan(networks, target, store) if p.share >= min_share]

@@ -502,10 +502,6 @@ def cmd_adapt(args) -> int:
     target = make_target(args.target)
     if (busy := machine_busy()):
         con.print(f"[yellow]warning: {busy}; tuning and measurements taken now will be noisy[/yellow]")
-    before = adapt.adapted(target)
-    if before:
-        con.print(f"continuing the adaptation of {before['mcpu']} ({before['runs']} run(s) so far, "
-                  f"{before['tuned_kernels']}/{before['planned']} kernels tuned)")
     rep = adapt.adapt(target, 60 * args.budget_minutes, networks=args.networks, trials=args.trials,
                       tune_share=args.tune_share, max_per_kernel=args.max_per_kernel,
                       retrain=not args.no_train, on_note=con.print)
