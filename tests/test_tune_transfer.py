@@ -108,6 +108,9 @@ def test_store_skips_bad_lines_and_other_targets(donor_dir, tmp_path):
 
 def test_donors_add_and_list(donor_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    # a data home that ships no donors: the listing is the user's own
+    (tmp_path / "home" / "datasets" / "donors").mkdir(parents=True)
+    monkeypatch.setenv("TTRANK_HOME", str(tmp_path / "home"))
     assert main(["donors", "add", str(donor_dir), "--name", "mine"]) == 0
     assert (tmp_path / "cache" / "donors" / "mine" / "database_tuning_record.json.gz").exists()
     capsys.readouterr()
