@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -135,3 +136,13 @@ def test_recommend_reports_what_more_time_would_buy(trained, donor_dir, tiny_cnn
     assert res.provenance["policy"]["policy"] == "AdaptiveK"
     assert all(len(k.measured) <= k.k <= k.top_k <= 3 for k in res.kernels if k.candidates)
     json.dumps(res.to_json())
+
+
+def test_a_copied_store_reports_its_own_folders(donor_dir, tmp_path):
+    # the per-folder index is found by content: a copy (a clone, a worktree) must still report
+    # where its own logs are, since the second stage reads them from there
+    donors.DonorStore.load([donor_dir])
+    copy = tmp_path / "elsewhere" / donor_dir.name
+    shutil.copytree(donor_dir, copy)
+    store = donors.DonorStore.load([copy])
+    assert [r.work_dir for r in store.reports] == [str(copy)]

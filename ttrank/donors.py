@@ -389,7 +389,8 @@ def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
                 k = Kernel(**d["kernel"])
                 recs = [DonorRecord(**r) for r in d["records"]]
                 ws.append(DonorWorkload(d["network"], k, d["workload_json"], recs))
-            rep = LoadReport(**data["report"])
+            # the index is keyed by content: the same logs elsewhere (a clone) are found here
+            rep = LoadReport(**{**data["report"], "work_dir": str(work_dir)})
             return ws, rep
         except (OSError, ValueError, KeyError, TypeError):
             log.info("index cache %s unreadable; rebuilding", path)
