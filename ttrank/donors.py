@@ -335,7 +335,9 @@ def _store_index(dirs: list[Path], top_k: int, target, use_cache: bool
         try:
             with open(path, "rb") as f, _no_gc():
                 data = pickle.load(f)
-            if data.get("version") == STORE_INDEX_VERSION:
+            if data.get("version") == STORE_INDEX_VERSION and len(data["reports"]) == len(dirs):
+                for rep, d in zip(data["reports"], dirs):
+                    rep.work_dir = str(d)  # as given (an index written before this was fixed)
                 return data["workloads"], data["reports"], data["donor_features"]
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, KeyError, TypeError):
             log.info("store index %s unreadable; rebuilding", path)
