@@ -245,7 +245,7 @@ def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
     if not trained or target.attrs.get("mcpu") in trained:
         return ""
     return (f"note: the ranker learned from measurements on {', '.join(trained)}; this CPU is "
-            f"{target.attrs.get('mcpu') or host_mcpu()}. Its top {top_k or ranker.metadata.get('top_k', 3)} "
+            f"{target.attrs.get('mcpu') or host_mcpu()}. Up to {top_k or ranker.metadata.get('top_k', 3)} of its "
             "candidates per kernel are measured here; `ttrank adapt --budget-minutes 60` tunes "
             "the common kernels natively on this CPU and teaches the ranker its rows.")
 
