@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ttrank import collect, donors, fleet, frontend, measure, runtime
+from ttrank.cli import main
 from ttrank.errors import DeviceError
 from ttrank.target import make_target
 
@@ -126,3 +127,26 @@ def test_the_whole_model_is_timed_only_where_its_kernels_were(target):
     assert "aarch64-linux-gnu" in runtime.host_cannot_time(board)
     assert "RPC devices" in runtime.host_cannot_time(target, remote=True)
     assert runtime.host_cannot_time(target) is None
+
+
+@pytest.mark.slow
+def test_tune_and_recommend_measure_through_the_fleet(trained, donor_dir, tiny_cnn, tmp_path, capsys):
+    """The CLI as a team with a rack of boxes runs it: both commands under one tracker key."""
+    with fleet.local_fleet(2, key=f"fleet-{uuid.uuid4().hex[:8]}", log_dir=tmp_path / "logs") as f:
+        rpc = ["--rpc-tracker", f.address, "--device-key", f.tracker.key]
+        assert main(["tune", str(tiny_cnn), "--out", str(tmp_path / "tuned"), "--trials-per-task", "8",
+                     "--only", "fused_conv2d1_add_relu", "--no-progress", *rpc]) == 0
+        manifest = json.loads((tmp_path / "tuned" / "tune_manifest.json").read_text())
+        assert manifest["complete"] and manifest["provenance"]["device_key"] == f.tracker.key
+        report = tmp_path / "report.json"
+        assert main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(trained),
+                     "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
+                     "--top-k", "2", "--tune-missing", "0", "--no-progress", *rpc]) == 0, capsys.readouterr().err
+        served = f.sessions_served()
+    r = json.loads(report.read_text())
+    assert any(k["status"] == "tuned" for k in r["kernels"])
+    # every row recommend measured names the devices' key and CPU, for the ranker to learn from
+    (table,) = (tmp_path / "data" / "measurements").glob("*.jsonl")
+    rows = [json.loads(ln) for ln in table.read_text().splitlines()]
+    assert rows and all(x["provenance"]["device_key"] == f.tracker.key for x in rows)
+    assert sum(served) >= 2 and all(n > 0 for n in served), served  # both boxes measured
