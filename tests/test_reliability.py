@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from ttrank import frontend, fuzz, kernels, measure, reliability, runtime, util
+from ttrank import fleet, frontend, fuzz, kernels, measure, reliability, runtime, util
 from ttrank.cli import main
 from ttrank.errors import TooLargeError, UnsafeModelError
 
@@ -227,7 +227,7 @@ def test_a_tracker_that_never_answers_is_one_line_in_bounded_time(tiny_cnn, monk
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "did not answer within 2 s" in err
     assert took < 10
-    port = reliability.free_port()  # nothing listens there
+    port = fleet.free_port()  # nothing listens there
     assert main(["recommend", str(tiny_cnn), "--rpc-tracker", f"127.0.0.1:{port}",
                  "--device-key", "k", "--no-progress"]) == 2
     assert "cannot be reached" in capsys.readouterr().err
