@@ -55,7 +55,7 @@ from ttrank.measurements import UNTUNED
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, Pick, SecondStage, rank_kernel, shortlist
 from ttrank.runtime import time_side_by_side, write_database
-from ttrank.target import make_target, provenance, runtime_threads
+from ttrank.target import make_target, provenance, runtime_threads, target_cpu
 from ttrank.training import ranker_without
 from ttrank.transfer import transfer
 from ttrank.util import atomic_write_json, atomic_write_text, read_jsonl
@@ -104,8 +104,9 @@ def choose(net: str, kernels: list, store, ranker, target) -> Picks:
     stage = SecondStage.of(ranker, store, target, {net})  # a leave-one-out fit: not search time
     t0 = time.time()
     out = Picks({}, {}, {}, 0.0)
+    cpu = target_cpu(target)
     for k in kernels:
-        cands = rank_kernel(k, store, ranker, {net})
+        cands = rank_kernel(k, store, ranker, {net}, cpu)
         out.pool[k.workload_hash] = len(cands)
         got = out.chosen.setdefault(k.workload_hash, {})
         # as recommend: in rank order until k transfers apply

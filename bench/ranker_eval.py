@@ -112,6 +112,15 @@ def main() -> None:
     baselines["paper"] = {k: float(np.mean([pn[n][k] for n in have])) for k in KEYS} if have else {}
     baselines["exhaustive"] = {k: 1.0 for k in KEYS}
 
+    # the ranker for many CPUs: each CPU's own leave-one-network-out, and leave one CPU out
+    from ttrank.evaluate import leave_one_cpu_out, per_cpu
+    from ttrank.ranker import Ranker
+
+    def make():
+        return Ranker(n_estimators=args.trees, **cfg)
+
+    cpus = {"per_cpu": per_cpu(ds, make), "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
+
     curve = {f"top{k}": res["average"].get(f"top{k}") for k in KS}
     out = {"ranker": best, "configs": {o: {k: r["average"].get(k) for k in KEYS}
                                        for o, r in runs.items()},
@@ -120,7 +129,7 @@ def main() -> None:
            "training_data_hash": data_hash(ds),  # bench/background.py: is this report current?
            "rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "networks": res["networks"],
            "average": {k: res["average"][k] for k in KEYS if k in res["average"]}, "baselines": baselines,
-           "baseline_networks": baseline_nets,
+           "baseline_networks": baseline_nets, "cpus": cpus,
            "stage2": ({k: v for k, v in stage2.items() if k != "table"} | {
                "table": {k: v["average"] for k, v in stage2["table"].items()}}) if stage2 else None,
            "note": "top-k score (TenSet): best latency among all measured candidates / best among "
@@ -147,6 +156,16 @@ def main() -> None:
         lines.append(f"| **average** | {a['top1']:.3f} | {a['top3']:.3f} | {a['top5']:.3f} | "
                      f"{a['ndcg5']:.3f} | {a['within5']:.2f} | {_fmt(baselines['paper'].get('top1'))} | "
                      f"{baselines['nearest_shape']['top3']:.3f} |")
+    lines += ["", "Per CPU (the ranker alone, leave one network out on that CPU's rows; leave one CPU out trains "
+              "on the other CPUs' rows):", "", "| CPU | rows | top-1 | top-3 | leave-one-CPU-out top-1 | top-3 |",
+              "|---|---|---|---|---|---|"]
+    lo = cpus["leave_one_cpu_out"]
+    for c, r in cpus["per_cpu"].items():
+        m, o = r["average"], lo["cpus"].get(c) or {}
+        lines.append(f"| {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
+                     f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+    if not lo["cpus"]:
+        lines += ["", f"Leave one CPU out needs rows from two CPUs or more; the data has {', '.join(lo['have'])}."]
     lines += ["", "| method | top-1 | top-3 | top-5 | NDCG@5 |", "|---|---|---|---|---|"]
     for name, m in [("ttrank", a)] + list(baselines.items()):
         if m:

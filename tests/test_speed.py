@@ -14,8 +14,9 @@ import pytest
 import ttrank
 from ttrank import donors, frontend, zoo
 from ttrank.collect import Dataset
+from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
-from ttrank.kernels import extract
+from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, FixedK, policy_of, rank_kernel, shortlist
 
@@ -44,6 +45,33 @@ def test_the_policy_follows_the_ranker_and_its_calibration(trained):
     ranker.metadata["policy"] = {"gap": 0.2, "full_share": 0.03}  # what a calibration stored
     p = policy_of(ranker, 4)
     assert (p.gap, p.full_share) == (0.2, 0.03) and p.to_json()["policy"] == "AdaptiveK"
+
+
+def _kernel(name: str, flops: float = 1e9) -> Kernel:
+    return Kernel(name, "c", "conv2d_nchw", "SSSSRRR", [1, 8, 8, 8, 8, 3, 3], [], {}, [], [1], "float32",
+                  flops)
+
+
+def test_recommend_tunes_what_no_donor_covers_for_what_it_can_save():
+    """The search time for uncovered kernels scales with their share of the model: a small
+    pooling kernel is left alone; two transposed convs that hold most of the model split the budget."""
+    convs = [_kernel(f"conv{i}") for i in range(4)]
+    pool = _kernel("max_pool2d", flops=0.0)
+    best = {"conv0": 0.010, "conv1": 0.010, "conv2": 0.030, "conv3": 0.049, "max_pool2d": 0.0015}
+    covered = {"conv0", "conv1", "conv2", "conv3"}
+    # ResNet-18's case: only a 1.5% pooling kernel lacks a schedule; at best tuning saves 1.5%
+    assert plan_missing([*convs, pool], best, covered, budget_s=120) == []
+    best["max_pool2d"] = 0.0005
+    # a DB-style head: two transposed convs without donors hold 79% of the model
+    best2 = best
+    plans = plan_missing([*convs, pool], best2, {"conv0", "conv1"}, budget_s=120)
+    assert [p.kernel.name for p in plans] == ["conv3", "conv2"]  # the largest first
+    assert sum(p.seconds for p in plans) == pytest.approx(120)  # over full_share: the whole budget
+    assert plans[0].seconds > plans[1].seconds >= 20 and plans[0].trials == 64
+    # half the share, half the budget; and a flag of 0 turns it off
+    half = plan_missing([*convs, pool], {**best, "conv3": 0.016}, {"conv0", "conv1", "conv2"}, 120)
+    assert len(half) == 1 and 30 < half[0].seconds < 60
+    assert plan_missing([*convs, pool], best2, {"conv0", "conv1"}, budget_s=0) == []
 
 
 def test_policy_curve_trades_candidates_for_quality():

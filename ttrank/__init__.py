@@ -14,7 +14,7 @@ from .pipeline import KernelReport, Result  # noqa: E402
 from .pipeline import recommend as _recommend  # noqa: E402
 from .ranker import Ranker  # noqa: E402
 from .ranking import Candidate, SecondStage, rank_kernel, rerank  # noqa: E402
-from .target import make_target  # noqa: E402
+from .target import make_target, target_cpu  # noqa: E402
 from .zoo import load  # noqa: E402
 
 __all__ = ["Candidate", "KernelReport", "Result", "TTRankError", "load", "rank", "recommend"]
@@ -40,9 +40,10 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
     ranker = ranker if ranker is not None else Ranker.load()
     exclude = set(exclude_networks)
     stage = SecondStage.of(ranker, store, target, exclude) if programs else None
+    cpu = target_cpu(target)  # scored for the CPU the target names
 
     def one(kern: Kernel) -> list[Candidate]:
-        cands = rank_kernel(kern, store, ranker, exclude)
+        cands = rank_kernel(kern, store, ranker, exclude, cpu)
         if stage is not None:
             cands, _ = rerank(kern, cands, stage, target)
         return cands[:k]

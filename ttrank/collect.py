@@ -27,7 +27,7 @@ from .kernels import Kernel, extract
 from .measurements import UNTUNED, compact_provenance, is_current, machine_of, same_cpu
 from .measurements import key as measurement_key
 from .ranker import relevance
-from .target import provenance
+from .target import cpu_description, provenance
 from .transfer import transfer
 from .util import append_jsonl, atomic_write_json, read_jsonl
 
@@ -208,6 +208,10 @@ def collect_networks(networks: list[str], store: DonorStore, out_dir: str | Path
 # training data
 
 
+# what cpu_description reads of a provenance
+CPU_KEYS = ("mcpu", "cores", "threads", "caches", "device_key", "device_triple", "target")
+
+
 @dataclass
 class Dataset:
     X: "object"  # np.ndarray [n, features]
@@ -238,6 +242,15 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
     import numpy as np
 
 
+    cpus: dict[str, dict] = {}
+
+    def cpu_of(prov: dict) -> dict:
+        """The row's CPU facts (for the ``c_`` features), worked out once per machine."""
+        key = json.dumps({k: prov.get(k) for k in CPU_KEYS}, sort_keys=True)
+        if key not in cpus:
+            cpus[key] = cpu_description(prov)
+        return cpus[key]
+
     rec_of: dict[str, tuple[DonorWorkload, DonorRecord]] = {
         r.id: (w, r) for w in store.workloads for r in w.records}
     X, y, groups, meta = [], [], [], []
@@ -267,7 +280,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                 rel = relevance(lat)
                 for r, rv in zip(usable, rel):
                     w, rec = rec_of[r["record"]]
-                    X.append(vector(store.pair_features(k, w, rec)))
+                    X.append(vector(store.pair_features(k, w, rec, cpu=cpu_of(r.get("provenance") or {}))))
                     y.append(rv)
                     meta.append({"network": r["network"], "workload": wh, "record": r["record"],
                                  "latency_s": r["latency_s"], "weight": k.weight,

@@ -54,15 +54,16 @@ class TuningPlan:
 
 def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered: set[str],
                  budget_s: float, min_share: float = 0.01, max_trials: int = 64,
-                 min_seconds: float = 20.0) -> list[TuningPlan]:
+                 min_seconds: float = 20.0, full_share: float = 0.5) -> list[TuningPlan]:
     """Which kernels without a good schedule to tune natively, and for how long.
 
     ``best_s``: each kernel's latency with what was chosen for it (untuned if nothing was);
     ``covered``: the kernels that got a transferred schedule. A kernel left at its default
-    schedule whose share of the estimated model time is at least ``min_share`` is tuned, with
-    a budget proportional to its share (at least ``min_seconds`` each, the largest first, until
-    ``budget_s`` is spent). A kernel with no arithmetic (copies, resizes) needs few trials: its
-    search space is small.
+    schedule whose share of the estimated model time is at least ``min_share`` is tuned. What
+    they may spend scales with what they can save: all of ``budget_s`` once they hold
+    ``full_share`` of the model or more, a proportional part below that, split among them by
+    share (the largest first, at least ``min_seconds`` each). A kernel with no arithmetic
+    (copies, resizes) needs few trials: its search space is small.
     """
     est = {k.name: k.weight * (best_s.get(k.name) or 0.0) for k in kernels}
     total = sum(est.values())
@@ -71,6 +72,8 @@ def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered
     left = [k for k in kernels if k.name not in covered and est[k.name] / total >= min_share]
     left.sort(key=lambda k: -est[k.name])
     share_left = sum(est[k.name] for k in left) / total
+    # a 2% pooling kernel is not worth two minutes of search: at best it saves 2% of the model
+    budget_s = budget_s * min(1.0, share_left / full_share)
     plans, spent = [], 0.0
     for k in left:
         share = est[k.name] / total

@@ -235,13 +235,15 @@ class DonorStore:
         return self._donor_features
 
     def pair_features(self, target: Kernel, w: DonorWorkload, r: DonorRecord,
-                      target_part: dict | None = None) -> dict[str, float]:
-        """:func:`ttrank.features.pair_features`, with the record's own part computed once."""
+                      target_part: dict | None = None, cpu: dict | None = None) -> dict[str, float]:
+        """:func:`ttrank.features.pair_features`, with the record's own part computed once;
+        ``cpu``: :func:`ttrank.target.cpu_description` of the CPU that will run it."""
         part = self._donor_features.get(r.id)
         if part is None:
             part = self._donor_features[r.id] = donor_features(w.kernel, r.trace_json)
         return pair_features(target, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank,
-                             donor_part=part, target_part=target_part)
+                             donor_part=part, target_part=target_part, cpu=cpu,
+                             donor_prov=r.provenance)
 
     @property
     def networks(self) -> list[str]:

@@ -115,6 +115,48 @@ def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict
     return result
 
 
+def subset(ds: Dataset, rows: list[int]) -> Dataset:
+    """The dataset's ``rows`` (whole kernel groups, in order) as a dataset of their own."""
+    rows = list(rows)
+    return Dataset(ds.X[rows], ds.y[rows], _regroup(ds, rows), [ds.meta[i] for i in rows])
+
+
+def cpu_of_rows(ds: Dataset) -> np.ndarray:
+    """Each row's measuring CPU (LLVM's name; "unknown" where the row does not say)."""
+    return np.array([m.get("mcpu") or "unknown" for m in ds.meta])
+
+
+def per_cpu(ds: Dataset, make_model: Callable[[], object]) -> dict[str, dict]:
+    """Leave-one-network-out on each CPU's rows alone: how well the ranker ranks for a CPU
+    when it learned from that CPU's other networks."""
+    cpus = cpu_of_rows(ds)
+    out = {}
+    for cpu in sorted(set(cpus)):
+        res = leave_one_network_out(subset(ds, np.flatnonzero(cpus == cpu)), make_model)
+        out[str(cpu)] = {"average": res["average"], "networks": res["networks"],
+                         "rows": int((cpus == cpu).sum())}
+    return out
+
+
+def leave_one_cpu_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
+    """Train on every CPU but C, score C's candidates: how the ranker does on a CPU it never saw
+    (from the CPU features alone). Empty ``cpus`` with fewer than two CPUs in the data."""
+    from sklearn.model_selection import LeaveOneGroupOut  # see leave_one_network_out
+
+    cpus = cpu_of_rows(ds)
+    result: dict = {"cpus": {}, "average": {}, "have": sorted(set(map(str, cpus)))}
+    if len(set(cpus)) < 2:
+        return result
+    scores = np.zeros(len(ds.y), dtype=np.float32)
+    for train, test in LeaveOneGroupOut().split(ds.X, groups=cpus):
+        model = make_model().fit(ds.X[train], ds.y[train], _regroup(ds, list(train)))
+        scores[test] = model.predict(ds.X[test])
+        result["cpus"][str(cpus[test[0]])] = evaluate(ds, scores, list(test))
+    vals = [m for m in result["cpus"].values() if m]
+    result["average"] = {k: float(np.mean([m[k] for m in vals])) for k in KEYS} if vals else {}
+    return result
+
+
 def choose_top_k(average: dict[str, float], goal: float = 0.97, min_gain: float = 0.005,
                  max_k: int = KS[-1]) -> int:
     """The default k for measuring: the smallest k whose leave-one-out top-k score reaches

@@ -8,10 +8,16 @@ Groups (all numeric, in the fixed order of :data:`FEATURE_NAMES`):
 - ``a_*``  the donor's tiles as adapted to the target's extents (what will actually run): tile
   factors per loop and level, parallel chunks, register and L1 tile volumes, vector fit;
 - ``r_*``  relations: extent ratios, divisibility, how much tile adaptation must change, the
-  padding waste of keeping the inner tiles, epilogue match, the donor's own GFLOPS and rank.
+  padding waste of keeping the inner tiles, epilogue match, the donor's own GFLOPS and rank;
+- ``c_*``  the CPU that will run the schedule (:func:`ttrank.target.cpu_description`): vector
+  width, FMA/AVX-512/VNNI/AMX/SVE, vendor, cores, runtime threads, caches; and how the donor's
+  tuning relates to it: the same CPU or not, its thread count, its vector loop in lanes.
+  Missing facts (an older row without caches, a CPU LLVM does not know) are NaN, which
+  XGBoost treats as missing.
 
-Bump :data:`FEATURE_VERSION` whenever a name, order or meaning changes: rankers refuse files
-written for another version.
+The schema grows by appending groups: a ranker reads only its own groups' columns, so one
+fitted before a group was added still works. Bump :data:`FEATURE_VERSION` whenever an existing
+name, order or meaning changes: rankers refuse files written for another version.
 """
 
 from __future__ import annotations
@@ -51,12 +57,18 @@ def _names() -> list[str]:
               "r_inner_change", "r_pad_waste", "r_parallel_fit", "r_inner_fit",
               "r_same_class", "r_epilogue_jaccard", "r_epilogue_len_diff", "r_flops_ratio",
               "r_donor_gflops", "r_donor_rank", "r_donor_rel_latency", "r_donor_pred_s"]
+    names += CPU_NAMES
     return names
+
+
+CPU_FACTS = ("vector_bits", "fma", "avx512", "vnni", "amx", "sve", "amd", "arm")
+CPU_NAMES = [f"c_{f}" for f in CPU_FACTS] + [
+    "c_cores", "c_threads", "c_l1d_kb", "c_l2_kb", "c_l3_kb", "c_same_cpu", "c_donor_threads", "c_vec_lanes"]
 
 
 FEATURE_NAMES: list[str] = _names()
 # groups a ranker may use or leave out (chosen by leave-one-out evaluation): the name's prefix
-FEATURE_GROUPS: tuple[str, ...] = ("t", "d", "s", "a", "r")
+FEATURE_GROUPS: tuple[str, ...] = ("t", "d", "s", "a", "r", "c")
 
 
 def group_columns(groups: tuple[str, ...] | list[str]) -> list[int]:
@@ -320,17 +332,49 @@ def donor_features(donor: Kernel, trace_json: Any) -> tuple[dict[str, Any], dict
     return trace, f
 
 
+def _log_kb(v) -> float:
+    return _l2(float(v)) if v else math.nan
+
+
+def cpu_features(cpu: dict[str, Any] | None, donor_prov: dict[str, Any] | None,
+                 vec_extent: float) -> dict[str, float]:
+    """The ``c_`` features: ``cpu`` is :func:`ttrank.target.cpu_description` of the measuring
+    CPU (None: unknown, every one NaN), ``donor_prov`` the donor record's provenance (where it
+    was tuned), ``vec_extent`` log2 of the adapted schedule's vectorised loop (``a_vec_extent``)."""
+    if not cpu:
+        return {n: math.nan for n in CPU_NAMES}
+    f = {f"c_{k}": float(cpu[k]) if cpu.get(k) is not None else math.nan for k in CPU_FACTS}
+    threads = cpu.get("threads")
+    f.update({"c_cores": float(cpu["cores"]) if cpu.get("cores") else math.nan,
+              "c_threads": float(threads) if threads else math.nan,
+              "c_l1d_kb": _log_kb(cpu.get("l1d_kb")), "c_l2_kb": _log_kb(cpu.get("l2_kb")),
+              "c_l3_kb": _log_kb(cpu.get("l3_kb"))})
+    donor_prov = donor_prov or {}
+    f["c_same_cpu"] = (float(donor_prov["mcpu"] == cpu.get("mcpu"))
+                       if donor_prov.get("mcpu") and cpu.get("mcpu") else math.nan)
+    dt = donor_prov.get("threads")
+    # the donor's parallel structure was searched for this many threads, relative to ours
+    f["c_donor_threads"] = _l2(dt) - _l2(threads) if dt and threads else math.nan
+    lanes = (cpu.get("vector_bits") or 0) / 32  # fp32 lanes of the widest vector
+    # log2 of the vectorised loop in vectors of this CPU: 0 fills one exactly
+    f["c_vec_lanes"] = vec_extent - _l2(lanes) if lanes else math.nan
+    return f
+
+
 def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_s: float,
                   donor_best_s: float, rank: int,
                   donor_part: tuple[dict[str, Any], dict[str, float]] | None = None,
-                  target_part: dict[str, float] | None = None) -> dict[str, float]:
+                  target_part: dict[str, float] | None = None, cpu: dict[str, Any] | None = None,
+                  donor_prov: dict[str, Any] | None = None) -> dict[str, float]:
     """All features of one candidate, keyed by :data:`FEATURE_NAMES`. ``donor_part`` is
-    :func:`donor_features` and ``target_part`` ``workload_features(target, "t")``, if cached."""
+    :func:`donor_features` and ``target_part`` ``workload_features(target, "t")``, if cached;
+    ``cpu`` and ``donor_prov``: see :func:`cpu_features`."""
     trace, df = donor_part or donor_features(donor, trace_json)
     f = dict(target_part or workload_features(target, "t"))
     f.update(df)
     f.update(adapted_features(target, trace))
     f.update(relation_features(target, donor, trace, donor_latency_s, donor_best_s, rank))
+    f.update(cpu_features(cpu, donor_prov, f["a_vec_extent"]))
     return f
 
 

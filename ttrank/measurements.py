@@ -67,5 +67,5 @@ def same_cpu(r: dict, prov: dict) -> bool:
 def compact_provenance(prov: dict) -> dict:
     """The provenance every row carries: the machine, TVM, the date and the load (over RPC,
     the devices' key, triple and names)."""
-    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "tvm", "date", "load_1m",
+    return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "caches", "tvm", "date", "load_1m",
                                  "device_key", "device_triple", "devices") if k in prov}

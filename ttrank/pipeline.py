@@ -29,7 +29,7 @@ from .ranker import Ranker, data_cpus
 from .ranking import Candidate, FixedK, Pick, SecondStage, policy_of, rank_kernel, shortlist
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
-from .target import host_mcpu, is_foreign, make_target, provenance, target_key
+from .target import cpu_description, host_mcpu, is_foreign, make_target, provenance, target_key
 from .training import ranker_without
 from .transfer import Transferred, transfer
 from .tune import tune
@@ -156,6 +156,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     top_k = policy.max_k
     # the measuring machine's CPU: over RPC, what the devices report, never the host's
     prov = compact_provenance(runner.provenance(target))
+    cpu = cpu_description(prov)  # what the ranker's CPU features read
     tkey = target_key(target)
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
     table = data_dir / "measurements" / f"{model.name}.jsonl"
@@ -174,7 +175,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     ranked: dict[str, list[Candidate]] = {}
     for i, k in enumerate(kernels):
         reports[k.name] = KernelReport(k.name, k.workload_class, k.extents, k.weight, k.flops)
-        ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks)
+        ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks, cpu)
         reports[k.name].candidates = len(ranked[k.name])
         progress("ranking", i + 1, len(kernels), k.name)
     stage2 = SecondStage.of(ranker, store, target, exclude_networks)

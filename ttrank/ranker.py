@@ -156,7 +156,9 @@ class Ranker(BoosterModel):
 
         def check(meta: dict) -> str | None:
             version = meta.get("feature_version")
-            if version != FEATURE_VERSION or meta.get("feature_names") != FEATURE_NAMES:
+            names = meta.get("feature_names") or []
+            # the schema grows by appending groups; a ranker reads only its own groups' columns
+            if version != FEATURE_VERSION or not names or FEATURE_NAMES[:len(names)] != names:
                 return (f"{path} was trained on feature schema v{version}; this ttrank "
                         f"computes v{FEATURE_VERSION}: retrain it (ttrank train)")
             return None

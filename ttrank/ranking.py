@@ -58,13 +58,14 @@ class SecondStage:
 
 
 def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
-                exclude_networks=frozenset()) -> list[Candidate]:
-    """Every compatible donor schedule for ``kernel``, scored and sorted best first."""
+                exclude_networks=frozenset(), cpu: dict | None = None) -> list[Candidate]:
+    """Every compatible donor schedule for ``kernel``, scored and sorted best first, for the
+    CPU ``cpu`` describes (:func:`ttrank.target.cpu_description`; None: unknown)."""
     pairs = store.compatible(kernel, set(exclude_networks))
     if not pairs:
         return []
     tf = workload_features(kernel, "t")
-    feats = [store.pair_features(kernel, w, r, tf) for w, r in pairs]
+    feats = [store.pair_features(kernel, w, r, tf, cpu) for w, r in pairs]
     scores = ranker.predict(np.asarray([vector(f) for f in feats], dtype=np.float32))
     cands = [Candidate(kernel, w, r, float(s), f) for (w, r), s, f in zip(pairs, scores, feats)]
     cands.sort(key=lambda c: -c.score)

@@ -41,6 +41,77 @@ def host_mcpu() -> str:
     return str(codegen.llvm_get_system_cpu())
 
 
+@lru_cache(maxsize=1)
+def host_caches() -> dict[str, int]:
+    """The host's data and unified cache sizes in KiB (``l1d_kb``, ``l2_kb``, ``l3_kb``), from
+    sysfs; empty where the kernel does not say."""
+    out: dict[str, int] = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return out
+    for e in entries:
+        try:
+            level = int(open(f"{base}/{e}/level").read())
+            kind = open(f"{base}/{e}/type").read().strip()
+            size = open(f"{base}/{e}/size").read().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        kb = int(size[:-1]) * (1024 if size.endswith("M") else 1) if size[-1] in "KM" else int(size) // 1024
+        out["l1d_kb" if level == 1 else f"l{level}_kb"] = kb
+    return out
+
+
+# LLVM CPU names of AMD's x86 cores (LLVM does not name the vendor)
+_AMD_CPUS = ("znver", "bdver", "btver", "barcelona", "amdfam10", "athlon", "opteron", "k8")
+
+
+@lru_cache(maxsize=64)
+def cpu_isa(mcpu: str, triple: str = "") -> dict[str, float]:
+    """What LLVM knows of ``mcpu``'s instruction set: the widest float vector in bits, FMA,
+    AVX-512, VNNI, AMX and SVE, and the vendor. Empty for a CPU this LLVM does not know."""
+    import tvm
+    from tvm.target import codegen
+
+    if not mcpu:
+        return {}
+    spec = {"kind": "llvm", **({"mtriple": triple} if triple else {})}
+    try:
+        # LLVM logs an error for a name it does not know: ask for its list first
+        if mcpu not in {str(c) for c in codegen.llvm_get_cpu_archlist(tvm.target.Target(spec))}:
+            return {}
+        feats = {str(f) for f in codegen.llvm_get_cpu_features(tvm.target.Target({**spec, "mcpu": mcpu}))}
+    except Exception:  # an unknown name, or an LLVM built without that architecture
+        return {}
+    arm = triple.startswith(("aarch64", "arm")) or "neon" in feats
+    bits = 512 if "avx512f" in feats else 256 if "avx" in feats else 128 if feats & {"sse2", "neon"} else 0
+    return {"vector_bits": float(bits), "fma": float("fma" in feats or arm),
+            "avx512": float("avx512f" in feats), "vnni": float(bool(feats & {"avx512vnni", "avxvnni"})),
+            "amx": float("amx-tile" in feats), "sve": float("sve" in feats),
+            "amd": float(mcpu.startswith(_AMD_CPUS)), "arm": float(arm)}
+
+
+def cpu_description(prov: dict) -> dict[str, Any]:
+    """The facts about a measuring CPU that the ranker's ``c_`` features read, from a row's or
+    a run's provenance: its name, ISA (:func:`cpu_isa`), cores, runtime threads and caches
+    (rows written before caches were recorded have none)."""
+    mcpu = prov.get("mcpu") or ""
+    triple = prov.get("device_triple") or ""
+    if not triple and not prov.get("device_key"):
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            triple = json.loads(prov.get("target") or "{}").get("mtriple") or ""
+    # a row from another host names no triple: the CPU name tells which architecture it was
+    isa = {}
+    for t in dict.fromkeys([triple or host_triple(), "x86_64-linux-gnu", "aarch64-linux-gnu"]):
+        if isa := cpu_isa(mcpu, t):
+            break
+    return {"mcpu": mcpu, **isa, "cores": prov.get("cores"), "threads": prov.get("threads"),
+            **(prov.get("caches") or {})}
+
+
 def host_cores() -> int:
     """Physical cores available to this process (the runtime's thread count)."""
     import psutil
@@ -186,12 +257,20 @@ def provenance(target=None) -> dict[str, Any]:
         "mcpu": host_mcpu(),
         "cores": host_cores(),
         "threads": runtime_threads(),
+        "caches": host_caches(),
         "load_1m": load_average(),
         "target": str(t),
         "tvm": tvm.__version__,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
     }
+
+
+def target_cpu(target=None) -> dict[str, Any]:
+    """:func:`cpu_description` of this host running ``target`` (the CPU it names, if any)."""
+    prov = provenance(target)
+    mcpu = target.attrs.get("mcpu") if target is not None else None
+    return cpu_description({**prov, "mcpu": str(mcpu or prov["mcpu"])})
 
 
 INTRINSICS_PACKAGE = "tvm.s_tir.tensor_intrin"

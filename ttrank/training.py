@@ -52,9 +52,10 @@ def data_cpus_of(ds: Dataset) -> dict[str, int]:
 
 
 def candidate_configs(objectives: tuple[str, ...] = OBJECTIVES) -> list[dict]:
-    """Ranker settings the evaluation chooses among: each objective, with and without the
-    adapted-tile features (kept only where leave-one-out says they help)."""
-    sets = [FEATURE_GROUPS, tuple(g for g in FEATURE_GROUPS if g != "a")]
+    """Ranker settings the evaluation chooses among: each objective, with every feature group,
+    without the adapted-tile features and without the CPU's (each kept only where
+    leave-one-out says it helps: on one CPU's data the CPU features are nearly constant)."""
+    sets = [FEATURE_GROUPS, *(tuple(g for g in FEATURE_GROUPS if g != drop) for drop in ("a", "c"))]
     return [{"objective": o, "feature_groups": g} for o in objectives for g in sets]
 
 

@@ -1,0 +1,110 @@
+"""A ranker that knows the CPU (issue #19): CPU facts in the features, rankers from before the
+CPU group still usable, and evaluation per CPU and leave one CPU out."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ttrank import collect, donors
+from ttrank.collect import Dataset
+from ttrank.errors import RankerError
+from ttrank.evaluate import leave_one_cpu_out, per_cpu
+from ttrank.features import CPU_NAMES, FEATURE_NAMES, cpu_features
+from ttrank.ranker import Ranker, meta_path
+from ttrank.target import cpu_description, host_mcpu, provenance
+
+
+def test_cpu_facts_come_from_llvm_for_any_cpu_name(capfd):
+    zen5 = cpu_description({"mcpu": "znver5", "cores": 2, "threads": 2})
+    assert zen5["amd"] == 1 and zen5["avx512"] == 1 and zen5["vector_bits"] == 512 and zen5["amx"] == 0
+    # an RPC device reports its own triple: an Arm core with SVE, 128-bit NEON
+    arm = cpu_description({"mcpu": "neoverse-v1", "device_key": "pi", "device_triple": "aarch64-linux-gnu",
+                           "threads": 4})
+    assert arm["arm"] == 1 and arm["sve"] == 1 and arm["vector_bits"] == 128
+    # a row from another host names no triple: the CPU name is enough
+    assert cpu_description({"mcpu": "neoverse-v1"})["arm"] == 1
+    # a name LLVM does not know: no ISA facts, and nothing printed
+    odd = cpu_description({"mcpu": "no-such-cpu", "threads": 2})
+    assert "vector_bits" not in odd and odd["threads"] == 2
+    assert "Error" not in capfd.readouterr().err
+    f = cpu_features(odd, {}, 3.0)
+    assert math.isnan(f["c_vector_bits"]) and f["c_threads"] == 2.0  # unknown facts are missing
+
+
+def test_the_host_is_described_with_its_caches():
+    me = cpu_description(provenance())
+    assert me["mcpu"] == host_mcpu() and me["threads"] >= 1 and me["vector_bits"] >= 128
+    f = cpu_features(me, {"mcpu": me["mcpu"], "threads": 1}, 4.0)  # a 16-wide loop, tuned here
+    assert f["c_same_cpu"] == 1.0
+    assert f["c_donor_threads"] == -math.log2(me["threads"])
+    assert f["c_vec_lanes"] == 4.0 - math.log2(me["vector_bits"] / 32)
+    assert list(f) == CPU_NAMES and FEATURE_NAMES[-len(CPU_NAMES):] == CPU_NAMES
+
+
+def test_training_rows_carry_the_cpu_that_measured_them(measurements, donor_dir):
+    ds = collect.build_dataset([measurements], donors.DonorStore.load([donor_dir]))
+    col = {n: i for i, n in enumerate(FEATURE_NAMES)}
+    me = cpu_description(provenance())
+    assert np.all(ds.X[:, col["c_vector_bits"]] == me["vector_bits"])
+    assert np.all(ds.X[:, col["c_same_cpu"]] == 1.0)  # the donor was tuned on this host too
+
+
+def test_a_ranker_from_before_the_cpu_features_still_loads(measurements, donor_dir, tmp_path):
+    ds = collect.build_dataset([measurements], donors.DonorStore.load([donor_dir]))
+    old = Ranker(n_estimators=10, feature_groups=("t", "d", "s", "a", "r")).fit(ds.X, ds.y, ds.groups)
+    path = old.save(tmp_path / "old.json")
+    meta = json.loads(meta_path(path).read_text())
+    # what a ranker saved before the CPU group existed lists
+    meta["feature_names"] = [n for n in meta["feature_names"] if n not in CPU_NAMES]
+    meta_path(path).write_text(json.dumps(meta))
+    assert np.allclose(Ranker.load(path).predict(ds.X), old.predict(ds.X))
+    # a schema whose existing names changed is refused
+    meta["feature_names"][3] = "t_something_else"
+    meta_path(path).write_text(json.dumps(meta))
+    with pytest.raises(RankerError, match="feature schema"):
+        Ranker.load(path)
+
+
+def _two_cpu_dataset(n_groups: int = 40, size: int = 6) -> Dataset:
+    """Synthetic candidates on an Intel and an AMD CPU: which schedule wins depends on the
+    CPU's vector width against the schedule's vector loop, as on real hardware."""
+    rng = np.random.default_rng(0)
+    col = {n: i for i, n in enumerate(FEATURE_NAMES)}
+    X, y, groups, meta = [], [], [], []
+    for g in range(n_groups):
+        amd = g % 2
+        bits = 256 if amd else 512
+        for _ in range(size):
+            x = rng.random(len(FEATURE_NAMES)).astype(np.float32)
+            vec = rng.integers(2, 6)
+            x[col["a_vec_extent"]] = vec
+            x[col["c_vector_bits"]], x[col["c_amd"]] = bits, amd
+            x[col["c_vec_lanes"]] = vec - math.log2(bits / 32)
+            lat = 1e-3 * (1 + abs(x[col["c_vec_lanes"]]) + 0.1 * rng.random())
+            X.append(x)
+            meta.append({"network": f"net{g % 5}", "workload": f"w{g}", "latency_s": lat, "weight": 1,
+                         "mcpu": "znver4" if amd else "emeraldrapids"})
+        lats = [m["latency_s"] for m in meta[-size:]]
+        y += [min(lats) / v for v in lats]
+        groups.append(size)
+    return Dataset(np.asarray(X), np.asarray(y, dtype=np.float32), groups, meta)
+
+
+def test_evaluation_per_cpu_and_leave_one_cpu_out():
+    ds = _two_cpu_dataset()
+
+    def make():
+        return Ranker(objective="rank:pairwise", n_estimators=30)
+
+    each = per_cpu(ds, make)
+    assert set(each) == {"emeraldrapids", "znver4"} and all(r["average"]["top1"] > 0 for r in each.values())
+    out = leave_one_cpu_out(ds, make)
+    assert set(out["cpus"]) == {"emeraldrapids", "znver4"}
+    assert 0 < out["average"]["top1"] <= out["average"]["top3"] <= 1.0
+    # one CPU only: nothing to hold out, and the report says what it has
+    one = leave_one_cpu_out(Dataset(ds.X[:6], ds.y[:6], [6], ds.meta[:6]), make)
+    assert one["cpus"] == {} and one["have"] == ["emeraldrapids"]
