@@ -54,6 +54,8 @@ def test_adapt_tunes_natively_measures_and_retrains(donor_dir, measurements, tar
     assert locations.user_ranker().exists() and Ranker.load().path == locations.user_ranker()
     # a rerun continues: nothing tuned or measured twice
     trials = (native / "trials.jsonl").read_text()
+    # and follows the plan it made (kept from before the first run's tuning began)
+    monkeypatch.setattr(adapt, "plan", lambda *a, **k: pytest.fail("the networks were planned again"))
     again = adapt.adapt(target, 120, **kw)
     assert (native / "trials.jsonl").read_text() == trials and again.collected == 0
     assert again.complete and adapt.adapted(target)["runs"] == 2

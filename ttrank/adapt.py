@@ -145,13 +145,23 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     mcpu = str(target.attrs.get("mcpu") or host_mcpu())
     rep = AdaptReport(mcpu, budget_s, provenance=provenance(target))
     if (before := adapted(target)):
-        note(f"continuing the adaptation of {before['mcpu']} ({before['runs']} run(s) so far, "
-             f"{before['tuned_kernels']}/{before['planned']} kernels tuned)")
+        note(f"continuing the adaptation of {before.get('mcpu', mcpu)} ({before.get('runs', 0)} run(s) "
+             f"finished so far, {before.get('tuned_kernels', 0)}/{len(before.get('plan') or [])} "
+             "kernels tuned)")
     with file_lock(state_path(target)):  # one adaptation of a CPU at a time
         store = DonorStore.load(donor_dirs)
-        todo = [p for p in plan(networks, target, store) if p.share >= min_share]
-        if not todo:
-            raise TTRankError(f"none of {', '.join(networks)} has a kernel to tune")
+        previous = adapted(target) or {}
+        asked = {"networks": list(networks), "min_share": min_share}
+        if previous.get("plan_for") == asked and previous.get("plan"):
+            # a rerun continues the same plan: extracting 15 networks' kernels again costs minutes
+            todo = [PlannedKernel(**p) for p in previous["plan"]]
+        else:
+            todo = [p for p in plan(networks, target, store) if p.share >= min_share]
+            if not todo:
+                raise TTRankError(f"none of {', '.join(networks)} has a kernel to tune")
+            # kept before any work, so that a run killed while tuning resumes this plan
+            atomic_write_json(state_path(target), {**previous, "mcpu": mcpu, "plan_for": asked,
+                                                   "plan": [asdict(p) for p in todo]})
         rep.planned = len(todo)
         note(f"{len(todo)} kernels carry at least {min_share:.0%} of a zoo network's time on "
              f"{len(networks)} networks; tuning the largest natively ({trials} trials each)")
@@ -205,9 +215,8 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
                  f"in {rep.train_seconds:.0f} s: {rep.ranker}")
         rep.seconds = round(time.time() - t0, 1)
         rep.complete = rep.tuned_kernels >= rep.planned
-        previous = adapted(target) or {}
         atomic_write_json(state_path(target), {**rep.to_json(), "runs": previous.get("runs", 0) + 1,
-                                               "plan": [asdict(p) for p in todo]})
+                                               "plan_for": asked, "plan": [asdict(p) for p in todo]})
     return rep
 
 

@@ -1,0 +1,138 @@
+"""Native speed on this CPU (issue #19): ttrank against onnxruntime on the zoo's CNNs, with the
+shipped data only and after `ttrank adapt`, in one resumable run.
+
+    python bench/host.py [--adapt-minutes 60] [--networks NET ...] [--budget-minutes M] [--force]
+
+1. **shipped**: `ttrank recommend zoo:NET --leave-one-out` per network, with a user cache that
+   holds nothing of this machine (no native donors, no adapted ranker): what a new user gets.
+2. **adapt**: `ttrank adapt --budget-minutes M` into a second user cache (resumable; its wall
+   time is the adaptation's cost).
+3. **adapted**: the same recommends with that cache: native donors and the ranker that learned
+   this CPU's rows (a network's own natively tuned kernels stay left out, as its donors are).
+
+Each recommend times its compiled model in alternation with onnxruntime (its own
+``model_latency_ms``). Results go to bench/results/host.json after every step; a rerun skips what
+is done for this CPU. The caches live under bench/work/host/<mcpu>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ttrank.adapt import adapted
+from ttrank.bench import ranker_id, results_dir, run_recommend
+from ttrank.target import host_mcpu, make_target, provenance
+from ttrank.util import atomic_write_json
+from ttrank.zoo import PAPER_NETWORKS, ZOO
+
+OUT = results_dir() / "host.json"
+CNNS = [n for n in PAPER_NETWORKS if ZOO[n].family == "cnn"]
+
+
+@contextlib.contextmanager
+def user_cache(path: Path):
+    """Run with ``path`` as the user's cache (TTRANK_CACHE), for this process and its children."""
+    before = os.environ.get("TTRANK_CACHE")
+    os.environ["TTRANK_CACHE"] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TTRANK_CACHE", None)
+        else:
+            os.environ["TTRANK_CACHE"] = before
+
+
+def one(net: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ttrank-host-") as tmp:
+        report, wall, _, cmd = run_recommend(net, Path(tmp))
+    lat = report["model_latency_ms"]
+    return {"ttrank_ms": lat["tuned"], "onnxruntime_ms": lat.get("onnxruntime"),
+            "ort_ratio": lat["tuned"] / lat["onnxruntime"] if lat.get("onnxruntime") else None,
+            "recommend_seconds": round(wall, 1), "ranker": ranker_id(),
+            "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
+            "command": " ".join(cmd[:4]) + " ...", "provenance": provenance()}
+
+
+def summary(phase: dict) -> dict:
+    """Averages of a phase's per-network ratios."""
+    ratios = [r["ort_ratio"] for r in phase["networks"].values() if r.get("ort_ratio")]
+    return {"ort_ratio_cnn_avg": float(np.mean(ratios)) if ratios else None,
+            "networks_faster_than_ort": sum(r < 1.0 for r in ratios), "networks_measured": len(ratios)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--networks", nargs="+", default=CNNS)
+    ap.add_argument("--adapt-minutes", type=float, default=60.0)
+    ap.add_argument("--budget-minutes", type=float, default=None, help="start no step after this")
+    ap.add_argument("--force", action="store_true", help="redo this CPU's steps")
+    args = ap.parse_args()
+
+    mcpu = host_mcpu()
+    work = Path(__file__).resolve().parent / "work" / "host" / mcpu
+    old = json.loads(OUT.read_text()) if OUT.exists() else {}
+    res = old if old.get("cpu") == mcpu and not args.force else {"cpu": mcpu}
+    res.setdefault("shipped", {"networks": {}})
+    res.setdefault("adapted", {"networks": {}})
+    deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+
+    def save() -> None:
+        for phase in ("shipped", "adapted"):
+            res[phase].update(summary(res[phase]))
+        res["provenance"] = provenance()
+        atomic_write_json(OUT, res)
+
+    def run_phase(phase: str, cache: Path) -> bool:
+        with user_cache(cache):
+            for net in args.networks:
+                if net in res[phase]["networks"]:
+                    continue
+                if deadline and time.time() > deadline:
+                    return False
+                print(f"{phase}: {net}", flush=True)
+                res[phase]["networks"][net] = one(net)
+                save()
+        return True
+
+    if not run_phase("shipped", work / "shipped-cache"):
+        print("budget spent; rerun to continue")
+        return 0
+    adapted_cache = work / "adapted-cache"
+    if "adaptation_seconds" not in res:  # one adapt run of the given budget is the step measured
+        if deadline and time.time() > deadline:
+            print("budget spent; rerun to continue")
+            return 0
+        with user_cache(adapted_cache):
+            t0 = time.time()
+            cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes)]
+            proc = subprocess.run(cmd, text=True, capture_output=True)
+            print(proc.stdout[-3000:])
+            if proc.returncode != 0:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                return 1
+            res["adaptation_seconds"] = round(time.time() - t0, 1)
+            res["adaptation"] = adapted(make_target())
+        res["adaptation_command"] = " ".join(cmd)
+        save()
+    if not run_phase("adapted", adapted_cache):
+        print("budget spent; rerun to continue")
+        return 0
+    save()
+    for phase in ("shipped", "adapted"):
+        print(phase, {k: v for k, v in res[phase].items() if k != "networks"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
