@@ -152,3 +152,14 @@ def upsampling_head_model(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def upsampling_head(model_dir) -> Path:
     return upsampling_head_model(model_dir / "upsampling_head.onnx")
+
+
+@pytest.fixture(scope="session")
+def softmax_head(model_dir) -> Path:
+    """A text recogniser's last op: a softmax over [40 steps, 6625 characters] (no donor has one)."""
+    g = zoo.GraphBuilder("softmax_head", seed=0)
+    x = g.input("logits", [40, 6625])
+    g.output(g.node("Softmax", [x], axis=-1), [40, 6625])
+    path = model_dir / "softmax_head.onnx"
+    onnx.save(g.model(), str(path))
+    return path

@@ -314,23 +314,36 @@ def test_train_on_new_logs(donor_dir, tmp_path, monkeypatch, capsys):
     assert table.parent in t.training_dirs(r) and r.metadata["threads"] >= 1
 
 
-def test_op_variants_get_candidates_and_the_rest_is_tuned_once(trained, donor_dir, upsampling_head,
-                                                               tmp_path, monkeypatch):
-    """A transposed conv takes conv2d schedules by transfer; a 2-D softmax, which no donor has,
-    is tuned by recommend itself within its budget, and the next run transfers that record
-    instead of tuning again."""
-    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's donor store
-    model = frontend.load(upsampling_head)
-    kw = dict(ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data", time_model=False)
-    res = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), tune_missing=120.0,
-                           database_dir=tmp_path / "db1", **kw)
+def test_a_transposed_conv_takes_conv2d_schedules_by_transfer(trained, donor_dir, upsampling_head, tmp_path):
+    """No donor has a conv2d_transpose, but its compute block has a conv2d's loops: conv2d
+    schedules are its candidates, and they build, run and give the right outputs. (Whether one
+    beats TVM's default for it is measured; when none does, recommend tunes it, as below.)"""
+    res = ttrank.recommend(frontend.load(upsampling_head), store=donors.DonorStore.load([donor_dir]),
+                           ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
+                           time_model=False, tune_missing=0, database_dir=tmp_path / "db")
     convt = next(k for k in res.kernels if k.workload_class.startswith("conv2d_transpose_nchw"))
+    assert convt.candidates > 0
+    ok = [m for m in convt.measured if m["status"] == "ok"]
+    assert ok and all(m["donor"].startswith("tiny_resnet/") for m in ok)
     softmax = next(k for k in res.kernels if "softmax" in k.workload_class)
-    assert convt.candidates > 0 and convt.status == "tuned"
-    assert convt.chosen["donor_network"] == "tiny_resnet"  # a conv2d schedule, transferred
+    assert softmax.candidates == 0 and softmax.status == "untuned"  # --tune-missing 0: left alone
+    assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_what_no_donor_covers_is_tuned_once_then_transferred(trained, donor_dir, softmax_head, tmp_path,
+                                                             monkeypatch):
+    """A 2-D softmax, which no donor has, is tuned by recommend itself within its budget; the
+    records join the user's donor store, and the next run transfers them instead of tuning again."""
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's donor store
+    model = frontend.load(softmax_head)
+    kw = dict(ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data", time_model=False,
+              tune_missing=30.0)
+    res = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), database_dir=tmp_path / "db1",
+                           **kw)
+    softmax = next(k for k in res.kernels if "softmax" in k.workload_class)
     assert softmax.candidates == 0 and softmax.tuning is not None
-    # the budget scales with what the softmax can save: its share (about a sixth) of the model
-    assert softmax.tuning["budget_s"] < 120.0 * min(1.0, 2 * softmax.tuning["share"]) + 1.0
+    # it is the whole model: all of the budget is its
+    assert softmax.tuning["share"] == pytest.approx(1.0) and softmax.tuning["budget_s"] == pytest.approx(30.0)
     assert res.max_abs_error_vs_onnxruntime < 1e-3
     tuned_dir = donors.user_donor_dir() / model.name
     trials = tuned_dir / "trials.jsonl"
@@ -349,8 +362,8 @@ def test_op_variants_get_candidates_and_the_rest_is_tuned_once(trained, donor_di
     assert last_start - began <= softmax.tuning["budget_s"] + 1.0
     # the next run: the tuned records are donors like any other, and the softmax is not tuned again
     again = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir, tuned_dir]),
-                             tune_missing=120.0, database_dir=tmp_path / "db2", **kw)
+                             database_dir=tmp_path / "db2", **kw)
     softmax = next(k for k in again.kernels if "softmax" in k.workload_class)
-    assert softmax.candidates > 0 and softmax.measured
-    assert softmax_trials() == n_trials  # (a kernel the first budget did not reach may be)
+    assert softmax.candidates > 0 and softmax.measured and softmax.tuning is None
+    assert softmax_trials() == n_trials
     assert again.max_abs_error_vs_onnxruntime < 1e-3

@@ -267,7 +267,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             # it creates MetaSchedule's loggers, as tune_tasks does
             with metaschedule_logging(), cpu_tensor_intrinsics(target):
                 ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-                    [task], str(work_dir), strategy=search_strategy(tp.target_trials), seed=seed)
+                    [task], str(work_dir), strategy=search_strategy(min(trials_per_iter, remaining)), seed=seed)
             if progress.search_started is None:
                 progress.search_started = time.time()
                 progress.setup_s = progress.search_started - started
@@ -308,16 +308,17 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     return progress
 
 
-def search_strategy(trials: int):
-    """MetaSchedule's evolutionary search with its population scaled to the task's trials.
+def search_strategy(batch: int):
+    """MetaSchedule's evolutionary search with its population scaled to the batch it measures.
 
-    Each batch samples and evolves a population (512 by default) through the cost model, a fixed
-    cost that does not depend on how many trials are wanted: a task of 8 trials spent 40 of its
-    49 s there. 8 candidates per trial kept is still 8x more than are measured; from 64 trials
-    per task on, it is MetaSchedule's own default."""
+    Each batch samples and evolves a population (512 by default, for batches of 64) through the
+    cost model: a fixed cost whatever the batch. Batches of 8 (a small task, or recommend's own
+    tuning, which checks its budget after every batch) spent most of their time there: a task
+    of 8 trials took 49 s, 40 of them sampling. 16 candidates per trial measured (64 to 512);
+    from batches of 32, as ttrank's donors are tuned, it is MetaSchedule's 512."""
     from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch  # as in tune()
 
-    return EvolutionarySearch(population_size=max(64, min(512, 8 * trials)))
+    return EvolutionarySearch(population_size=max(64, min(512, 16 * batch)))
 
 
 MS_LOGGER = "tvm.s_tir.meta_schedule"
