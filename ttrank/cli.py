@@ -637,7 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore donors tuned on this same network (for evaluation)")
     r.add_argument("--tune-missing", type=float, default=None, metavar="S",
                    help="seconds (all kernels together) for tuning with MetaSchedule the kernels that "
-                        "no transferred schedule covers, split by their share of the model time; "
+                        "no transferred schedule covers: all of it when they hold half the model time "
+                        "or more, a proportional part below that, split by their shares; "
                         "0 turns it off (default: 120)")
     _add_rpc_args(r)
     r.add_argument("--data-dir", help="where measurements accumulate (default: ~/.cache/ttrank/data)")
