@@ -101,7 +101,10 @@ def main() -> int:
                 if deadline and time.time() > deadline:
                     return False
                 print(f"{phase}: {net}", flush=True)
-                res[phase]["networks"][net] = one(net)
+                try:
+                    res[phase]["networks"][net] = one(net)
+                except RuntimeError as e:  # recommend failed: say so in the table, go on
+                    res[phase]["networks"][net] = {"ort_ratio": None, "error": str(e)[-1500:]}
                 save()
         return True
 

@@ -126,3 +126,17 @@ def test_averages_are_also_taken_over_long_runs_on_this_machine(paper_table, tmp
     (tmp_path / "resnet18.json").write_text(json.dumps(_run(provenance=here, log_cpus=["emeraldrapids"],
                                                              log_threads=2, log_trials_per_task=200)))
     assert paper_table.build_table(["resnet18"])["average"]["networks_reference"] == []
+
+
+def test_host_bench_summarises_each_phase_against_onnxruntime():
+    """bench/host.py's host.json: the average ttrank/onnxruntime ratio over the CNNs measured,
+    and how many are faster than onnxruntime."""
+    spec = importlib.util.spec_from_file_location("host_bench", BENCH / "host.py")
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    assert "resnet18" in host.CNNS and "bert" not in host.CNNS and len(host.CNNS) == 9
+    phase = {"networks": {"resnet18": {"ort_ratio": 1.5}, "vgg16": {"ort_ratio": 0.9},
+                          "alexnet": {"ort_ratio": None, "error": "failed"}}}
+    assert host.summary(phase) == {"ort_ratio_cnn_avg": pytest.approx(1.2), "networks_faster_than_ort": 1,
+                                   "networks_measured": 2}
+    assert host.summary({"networks": {}})["ort_ratio_cnn_avg"] is None
