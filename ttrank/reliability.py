@@ -327,9 +327,11 @@ def concurrent_recommends(model: str, donor_dir: Path, ranker: Path, work: Path,
 
 def recommend_args(model: str, out: Path, donor_dir: Path, ranker: Path, data: Path,
                    top_k: int = 2) -> list[str]:
-    # no tuning of uncovered kernels: the faults here are about measuring and outputs
+    # no tuning of uncovered kernels: the faults here are about measuring and outputs. A fixed
+    # k: a confident ranker would otherwise measure one candidate per kernel whatever k says,
+    # and a run asking for more would have nothing new to measure (nothing to kill)
     return ["recommend", model, "-o", str(out / "m.so"), "--donors", str(donor_dir), "--ranker",
-            str(ranker), "--data-dir", str(data), "--top-k", str(top_k), "--no-progress",
+            str(ranker), "--data-dir", str(data), "--top-k", str(top_k), "--fixed-k", "--no-progress",
             "--tune-missing", "0", "--json", str(out / "report.json")]
 
 
