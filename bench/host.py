@@ -41,7 +41,17 @@ CNNS = [n for n in PAPER_NETWORKS if ZOO[n].family == "cnn"]
 
 @contextlib.contextmanager
 def user_cache(path: Path):
-    """Run with ``path`` as the user's cache (TTRANK_CACHE), for this process and its children."""
+    """Run with ``path`` as the user's cache (TTRANK_CACHE), for this process and its children.
+
+    The donor records' program features (derived from the shipped records alone, ~15 min to
+    compute on 2 cores) are shared by both phases' caches, as one user's cache would hold them.
+    """
+    shared = path.parent / "program_features"
+    shared.mkdir(parents=True, exist_ok=True)
+    link = path / "program_features"
+    if not link.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared.resolve(), target_is_directory=True)
     before = os.environ.get("TTRANK_CACHE")
     os.environ["TTRANK_CACHE"] = str(path)
     try:
@@ -59,7 +69,8 @@ def one(net: str) -> dict:
     lat = report["model_latency_ms"]
     return {"ttrank_ms": lat["tuned"], "onnxruntime_ms": lat.get("onnxruntime"),
             "ort_ratio": lat["tuned"] / lat["onnxruntime"] if lat.get("onnxruntime") else None,
-            "recommend_seconds": round(wall, 1), "ranker": ranker_id(),
+            "recommend_seconds": round(wall, 1), "phases_seconds": report.get("search_seconds"),
+            "fast_math": (report.get("provenance") or {}).get("fast_math"), "ranker": ranker_id(),
             "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
             "command": " ".join(cmd[:4]) + " ...", "provenance": provenance()}
 

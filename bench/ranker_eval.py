@@ -1,6 +1,7 @@
 """Leave-one-network-out evaluation of the ranker against baselines, on the committed data.
 
     python bench/ranker_eval.py [--trees 300] [--out DIR]
+    python bench/ranker_eval.py --cpus-only    # minutes: per CPU and leave one CPU out alone
 
 Writes bench/results/ranker_eval.json (raw numbers; `average` holds top1/top3/top5/ndcg5 for
 ttrank, `baselines` the same keys per baseline), ranker_eval.md (table) and ranker_eval.png.
@@ -28,7 +29,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="where the report goes (default: bench/results; a scratch dir for a look at "
                          "partial data)")
+    ap.add_argument("--cpus-only", action="store_true",
+                    help="only the CPU evaluation (each CPU's leave-one-network-out and leave one "
+                         "CPU out) of the shipped ranker's settings with and without the CPU "
+                         "features, into ranker_cpus.json/.md")
     args = ap.parse_args()
+    if args.cpus_only:
+        cpus_only(args)
+        return
 
     from ttrank.collect import build_dataset
     from ttrank.donors import DonorStore, shipped_work_dirs
@@ -187,6 +195,49 @@ def main() -> None:
               f"`python train.py` stores it with the model."]
     atomic_write_text(res_dir / "ranker_eval.md", "\n".join(lines) + "\n")
     _plot(res_dir / "ranker_eval.png", a, baselines)
+    print("\n".join(lines))
+
+
+def cpus_only(args) -> None:
+    """How the ranker does per CPU and on a CPU it never saw, with and without the ``c_`` group."""
+    from ttrank.bench import results_dir
+    from ttrank.collect import build_dataset
+    from ttrank.donors import DonorStore, shipped_work_dirs
+    from ttrank.evaluate import leave_one_cpu_out, per_cpu
+    from ttrank.locations import shipped_measurements
+    from ttrank.ranker import Ranker
+    from ttrank.target import provenance
+    from ttrank.util import atomic_write_json, atomic_write_text
+
+    ds = build_dataset([shipped_measurements(required=True)], DonorStore.load(shipped_work_dirs()))
+    base = {k: v for k, v in Ranker.load().get_params().items() if k not in ("n_estimators", "feature_groups")}
+    groups = tuple(g for g in Ranker.load().feature_groups if g != "c")
+    out: dict = {"rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "settings": base,
+                 "configs": {}, "provenance": provenance()}
+    lines = ["# The ranker per CPU and on a CPU it never saw", "",
+             f"{out['rows']} measured candidates in {out['kernel_groups']} kernel groups. Written by "
+             "`python bench/ranker_eval.py --cpus-only` (the shipped ranker's settings, "
+             f"{args.trees} trees). Per CPU: leave one network out on that CPU's rows. Leave one CPU out: "
+             "trained on the other CPUs' rows.", "",
+             "| features | CPU | rows | top-1 | top-3 | leave-one-CPU-out top-1 | top-3 |",
+             "|---|---|---|---|---|---|---|"]
+    for fg in (groups, (*groups, "c")):
+        label = "+".join(fg)
+
+        def make(fg=fg):
+            return Ranker(n_estimators=args.trees, feature_groups=fg, **base)
+
+        res = {"per_cpu": per_cpu(ds, make), "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
+        out["configs"][label] = res
+        lo = res["leave_one_cpu_out"]
+        for c, r in res["per_cpu"].items():
+            m, o = r["average"], lo["cpus"].get(c) or {}
+            lines.append(f"| {label} | {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
+                         f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+    res_dir = args.out or results_dir()
+    res_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(res_dir / "ranker_cpus.json", out)
+    atomic_write_text(res_dir / "ranker_cpus.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

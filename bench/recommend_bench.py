@@ -58,7 +58,7 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
             measurer.close()
         with tempfile.TemporaryDirectory() as tmp:
             onnx = export(net, Path(tmp) / f"{net}.onnx")
-            model = load(onnx)
+            model = load(onnx, fast_math=False)
             whole = time_side_by_side(model, target, {
                 "ttrank": ms.database.JSONDatabase(work_dir=str(db_dir)),
                 "metaschedule": open_database(d)})
@@ -108,7 +108,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="ttrank-bench-") as tmp:
         try:
-            report, wall, paused, cmd = run_recommend(net, Path(tmp), args.top_k, args.pause_background)
+            # exact math on both sides: MetaSchedule's run tuned libm's exp/erf kernels
+            report, wall, paused, cmd = run_recommend(net, Path(tmp), args.top_k, args.pause_background,
+                                                      extra=("--exact-math",))
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 1

@@ -7,8 +7,8 @@ data dir, the network's own schedules and measurements left out of the candidate
 ranker). A run passes when the compiled model's outputs match onnxruntime (recommend exits
 non-zero otherwise). Results are kept per network in bench/results/recommend_zoo.json, so the
 command resumes; a network is rerun when the donor networks available to it or the runtime's
-threads or the shipped ranker changed. The networks whose epilogues call exp/erf also run with --fast-math (rows
-"NET --fast-math").
+threads or the shipped ranker changed. Rows run with recommend's default, fast math; the networks whose
+epilogues call exp/erf also run with --exact-math (rows "NET --exact-math"), to show what it costs.
 Writes recommend_zoo.md beside it.
 """
 
@@ -28,9 +28,9 @@ from ttrank.util import atomic_write_json, atomic_write_text
 from ttrank.zoo import ZOO
 
 OUT = results_dir() / "recommend_zoo.json"
-# exp/erf in their epilogues: TVM's scalar libm calls cost more than the convolution before them,
-# and onnxruntime's own kernels use vectorised approximations, so these also run with --fast-math
-FAST_MATH = ("efficientnetb0", "efficientnetb4", "bert", "mobilebert")
+# exp/erf in their epilogues: with libm's scalar calls they cost more than the convolution before
+# them, which is why fast math is the default; these also run with --exact-math to show it
+EXACT_MATH_TOO = ("efficientnetb0", "efficientnetb4", "bert", "mobilebert", "yolo", "vit_tiny", "gpt2")
 
 
 def summarize(net: str, report: dict, wall: float, donors: list[str], paused: int) -> dict:
@@ -81,8 +81,8 @@ def main() -> int:
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no network after this")
     ap.add_argument("--pause-background", action="store_true")
     ap.add_argument("--force", action="store_true", help="rerun networks that already have a result")
-    ap.add_argument("--fast-math-networks", nargs="*", default=list(FAST_MATH),
-                    help="also run these with --fast-math (their epilogues call exp/erf)")
+    ap.add_argument("--exact-math-networks", nargs="*", default=list(EXACT_MATH_TOO),
+                    help="also run these with --exact-math (their epilogues call exp/erf)")
     args = ap.parse_args()
 
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
@@ -91,14 +91,14 @@ def main() -> int:
     failed = 0
     ranker = ranker_id()
     runs = [(net, ()) for net in args.networks]
-    runs += [(net, ("--fast-math",)) for net in args.fast_math_networks if net in args.networks]
+    runs += [(net, ("--exact-math",)) for net in args.exact_math_networks if net in args.networks]
     for net, extra in runs:
         key = " ".join((net, *extra))
         donors = sorted(n for n in store_networks if n != net)
         old = results.get(key)
         if old and not args.force and old.get("donor_networks") == donors and "error" not in old \
                 and (old.get("provenance") or {}).get("threads") == runtime_threads() \
-                and old.get("ranker") == ranker:
+                and old.get("ranker") == ranker and old.get("fast_math") == ("--exact-math" not in extra):
             print(f"{key}: done earlier with the same donors, threads and ranker")
             continue
         if deadline and time.time() > deadline:
@@ -111,6 +111,7 @@ def main() -> int:
                                                         extra=extra)
                 results[key] = summarize(net, report, wall, donors, paused)
                 results[key]["ranker"] = ranker
+                results[key]["fast_math"] = (report.get("provenance") or {}).get("fast_math")
             except RuntimeError as e:
                 failed += 1
                 results[key] = {"network": net, "donor_networks": donors, "error": str(e)[-1500:]}

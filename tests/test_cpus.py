@@ -108,3 +108,48 @@ def test_evaluation_per_cpu_and_leave_one_cpu_out():
     # one CPU only: nothing to hold out, and the report says what it has
     one = leave_one_cpu_out(Dataset(ds.X[:6], ds.y[:6], [6], ds.meta[:6]), make)
     assert one["cpus"] == {} and one["have"] == ["emeraldrapids"]
+
+
+def test_another_machines_rows_join_the_training_data_once(measurements, donor_dir, tmp_path, capsys):
+    from ttrank.cli import main
+    from ttrank.util import append_jsonl, read_jsonl
+
+    # the same tables as measured on another CPU (as `adapt` leaves them in its cache)
+    other = "znver3" if host_mcpu() == "znver4" else "znver4"
+    theirs = tmp_path / "theirs"
+    (theirs / "kernels").mkdir(parents=True)
+    for table in measurements.glob("*.jsonl"):
+        rows = list(read_jsonl(table))
+        for r in rows:
+            r["provenance"] = {**r["provenance"], "mcpu": other, "cpu": "AMD EPYC"}
+        append_jsonl(theirs / table.name, rows)
+        (theirs / "kernels" / f"{table.stem}.json").write_text(
+            (measurements / "kernels" / f"{table.stem}.json").read_text())
+    ours = tmp_path / "ours"
+    (ours / "kernels").mkdir(parents=True)
+    for f in [*measurements.glob("*.jsonl"), *(measurements / "kernels").glob("*.json")]:
+        (ours / f.relative_to(measurements)).write_text(f.read_text())
+    store = donors.DonorStore.load([donor_dir])
+    before = collect.build_dataset([ours], store)
+
+    assert main(["import-measurements", str(theirs), "--out", str(ours)]) == 0
+    assert main(["import-measurements", str(theirs), "--out", str(ours)]) == 0  # a repeat adds nothing
+    assert "0 rows from" in capsys.readouterr().out.splitlines()[-1]
+    after = collect.build_dataset([ours], store)
+    # every kernel group again, for the other CPU; our own rows are as they were
+    assert len(after.groups) == 2 * len(before.groups)
+    assert sorted({m["mcpu"] for m in after.meta}) == sorted({host_mcpu(), other})
+    # a folder without tables is one clear error
+    assert main(["import-measurements", str(tmp_path / "nothing"), "--out", str(ours)]) != 0
+
+
+def test_adapt_refits_the_ranker_it_has_with_the_same_settings(measurements, donor_dir, trained, tmp_path):
+    from ttrank.training import train
+
+    like = Ranker.load(trained)
+    rep = train([measurements], donors.DonorStore.load([donor_dir]), out=tmp_path / "ranker.json",
+                like=like)
+    new = Ranker.load(tmp_path / "ranker.json")
+    # the same settings, learned again from the rows there are now, without choosing them again
+    assert new.get_params() == like.get_params() and rep["leave_one_network_out"] is None
+    assert new.metadata["top_k"] == rep["top_k"] and new.metadata["training_rows"] > 0

@@ -87,7 +87,7 @@ def _swish_erf_model(path):
     return path
 
 
-def test_fast_math_replaces_transcendentals_and_still_matches(tmp_path):
+def test_fast_math_is_the_default_replaces_transcendentals_and_still_matches(tmp_path):
     import re
 
     from tvm import relax
@@ -99,14 +99,24 @@ def test_fast_math_replaces_transcendentals_and_still_matches(tmp_path):
     def calls(mod):
         return set(re.findall(r"T\.(exp|sigmoid|erf)\(", relax.transform.LegalizeOps()(mod).script()))
 
-    exact, fast = frontend.load(path), frontend.load(path, fast_math=True)
-    assert calls(exact.mod) == {"sigmoid", "erf"}
+    exact, fast = frontend.load(path, fast_math=False), frontend.load(path)
+    assert calls(exact.mod) == {"sigmoid", "erf"} and not exact.fast_math
     assert calls(fast.mod) == set() and fast.fast_math
     assert calls(frontend.with_fast_math(exact.mod)) == set()
     assert calls(exact.mod) == {"sigmoid", "erf"}  # the caller's module is left as it was
     out = runtime.export(runtime.compile_model(fast, make_target()), tmp_path / "fast.so")
     res = runtime.check_against_onnxruntime(runtime.CompiledModel.load(out, fast), fast)
     assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_exact_math_is_one_flag_away(tmp_path, capsys):
+    path = _swish_erf_model(tmp_path / "swish.onnx")
+    assert main(["kernels", str(path), "--json"]) == 0
+    fast = capsys.readouterr().out
+    assert main(["kernels", str(path), "--json", "--exact-math"]) == 0
+    exact = capsys.readouterr().out
+    assert "sigmoid" in exact and "sigmoid" not in fast  # the swish kernel without libm's call
+    assert main(["kernels", str(path), "--fast-math"]) == 0  # earlier commands still run
 
 
 def test_compile_cli_writes_library(tiny_cnn, tmp_path, capsys):
@@ -211,7 +221,7 @@ def test_bert_base_kernels(tmp_path):
     # 12 layers x 256 tokens x (4*768*768 + 2*768*3072) MACs + attention + pooler
     assert 45e9 < total < 47.5e9
     classes = {k.workload_class for k in ks}
-    assert "matmul+add+multiply+erf+multiply+add+multiply" in classes  # erf-GELU epilogue
+    assert "matmul+add+multiply+fast_erf+multiply+add+multiply" in classes  # erf-GELU epilogue, fast math
     assert any(k.anchor_op == "softmax_maxelem" for k in ks)
     qkv = next(k for k in ks if k.workload_class == "matmul+add" and k.attrs.get("k") == 768
                and k.attrs.get("n") == 768)

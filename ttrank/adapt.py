@@ -30,6 +30,7 @@ from .donors import DonorStore, native_dir
 from .errors import TTRankError
 from .kernels import Kernel, extract
 from .measure import Measurer
+from .ranker import Ranker
 from .target import host_mcpu, provenance, target_key
 from .training import default_measurement_dirs, train
 from .tune import tune
@@ -208,7 +209,10 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         if retrain and rep.collected:
             t2 = time.time()
             dirs = default_measurement_dirs() if measurement_dirs is None else [*measurement_dirs, out]
-            res = train(list(dict.fromkeys(dirs)), store=store, out=locations.user_ranker())
+            # the current ranker's settings, refitted: choosing them again takes a quarter of an
+            # hour on 2 cores, far more than the budget's reserve
+            res = train(list(dict.fromkeys(dirs)), store=store, out=locations.user_ranker(),
+                        like=Ranker.load())
             rep.ranker = str(res["model"])
             rep.train_seconds = round(time.time() - t2, 1)
             note(f"ranker retrained on {res['rows']} candidates ({len(res['networks'])} networks) "

@@ -56,12 +56,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="TVM target as a JSON dict or in TVM's command-line form, e.g. 'llvm "
                         "-mtriple=aarch64-linux-gnu -mattr=+neon' (default: this host, or with "
                         "--rpc-tracker what the devices report)")
-    p.add_argument("--fast-math", action="store_true",
-                   help="vectorisable approximations of exp/sigmoid/erf/tanh/GELU (error ~1e-6; "
-                        "much faster swish and GELU epilogues)")
+    math = p.add_mutually_exclusive_group()
+    math.add_argument("--exact-math", action="store_true",
+                      help="libm's exact exp/sigmoid/erf/tanh/GELU (default: vectorised "
+                           "approximations with error ~1e-6, as onnxruntime's own kernels; much "
+                           "faster swish, sigmoid, GELU and softmax)")
+    # the default since fast math became it; kept so that earlier commands still run
+    math.add_argument("--fast-math", action="store_true", help=argparse.SUPPRESS)
 
 
-def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = False, args=None):
+def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = True, args=None):
     """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached).
 
     With ``args``, keeps the model there: if TVM fails on it later, and the file is not valid
@@ -96,7 +100,7 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
+    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
     ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
     if args.coverage:
         return _print_coverage(model.name, ks, args)
@@ -158,7 +162,7 @@ def _fmt_attrs(attrs: dict) -> str:
 
 def cmd_compile(args) -> int:
     con = _console()
-    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
+    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
     _check_output_space(model, Path(args.output))  # before compiling, not after
     target = make_target(args.target)
     database = None
@@ -192,7 +196,7 @@ def cmd_tune(args) -> int:
     con = _console()
     # MetaSchedule's own tuning runner settings, on the fleet's devices with --rpc-tracker
     runner = _runner_spec(args, cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
-    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
+    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
     target = _make_target(args, runner)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
     why = util.writable_dir(args.out)
@@ -386,7 +390,7 @@ def cmd_recommend(args) -> int:
 
     con = _console()
     runner = _runner_spec(args)  # a tracker that is down says so before any work
-    model = load_model_arg(args.model, args.input_shape, args.fast_math, args)
+    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
     target = _make_target(args, runner)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
@@ -546,6 +550,15 @@ def cmd_collect(args) -> int:
     return 0
 
 
+def cmd_import_measurements(args) -> int:
+    out = args.out or locations.shipped_measurements(required=True)
+    added = collect.import_tables(args.source, out)
+    for net, n in added.items():
+        print(f"{net}: {n} rows added")
+    print(f"{sum(added.values())} rows from {args.source} added to {out}; `ttrank train` learns them")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ttrank", description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("-v", "--verbose", action="count", default=0, help="show TVM logs (-vv: debug)")
@@ -692,6 +705,14 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--quiet", action="store_true")
     _add_rpc_args(co)
     co.set_defaults(func=cmd_collect)
+
+    im = sub.add_parser("import-measurements",
+                        help="add measurement tables taken on another machine (an `adapt` cache's "
+                             "data/measurements, say) to the ranker's training data")
+    im.add_argument("source", help="a folder of <network>.jsonl tables with their kernels/")
+    im.add_argument("--out", default=None,
+                    help="measurement tables (default: datasets/measurements of the data home)")
+    im.set_defaults(func=cmd_import_measurements)
     return p
 
 

@@ -20,19 +20,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import measurements, zoo
 from .donors import DonorRecord, DonorStore, DonorWorkload
+from .errors import TTRankError
 from .features import FEATURE_NAMES, vector
 from .kernels import Kernel, extract
 from .measurements import UNTUNED, compact_provenance, is_current, machine_of, same_cpu
 from .measurements import key as measurement_key
 from .ranker import relevance
-from .target import cpu_description, provenance
+from .target import CPU_KEYS, cpu_description, provenance
 from .transfer import transfer
-from .util import append_jsonl, atomic_write_json, read_jsonl
+from .util import append_jsonl, atomic_write_json, file_lock, read_jsonl
 
 log = logging.getLogger("ttrank")
-
 
 
 @dataclass
@@ -113,6 +115,51 @@ def candidate_rows(kernel: Kernel, cands: list, results: list, network: str,
     return rows
 
 
+def write_kernels(path: Path, kernels: list[Kernel]) -> None:
+    """Add ``kernels`` to a table's kernel file. Kernels already there stay: the table's older
+    rows may be of another import of the network (exact or fast math, an older TVM), and their
+    features need them."""
+    with file_lock(path):
+        old = kernels_of(path) if path.exists() else {}
+        new = {k.workload_hash: k for k in kernels}
+        atomic_write_json(path, [k.to_json() for k in new.values()]
+                          + [k.to_json() for h, k in old.items() if h not in new])
+
+
+def import_tables(src: str | Path, dst: str | Path) -> dict[str, int]:
+    """Add the rows of measurement tables measured elsewhere (``src``: an ``adapt`` cache's
+    ``data/measurements``, another checkout's ``datasets/measurements``) to the tables in ``dst``.
+
+    A row already in ``dst`` (same kernel, schedule and machine) is not added again, so an import
+    can be repeated; kernel descriptions are merged. Returns the rows added per network.
+    """
+    src, dst = Path(src), Path(dst)
+    tables = sorted(src.glob("*.jsonl"))
+    if not tables:
+        raise TTRankError(f"{src}: no measurement tables (*.jsonl) to import")
+
+    def ident(r: dict) -> tuple:
+        return measurement_key(r), machine_of(r.get("provenance") or {})
+
+    added = {}
+    for table in tables:
+        kfile = src / "kernels" / f"{table.stem}.json"
+        if not kfile.exists():  # rows without their kernels' descriptions have no features
+            log.warning("%s: no kernels/%s.json beside it; not imported", table, table.stem)
+            continue
+        seen = {ident(r) for r in read_jsonl(dst / table.name)}
+        new = []
+        for r in read_jsonl(table):
+            if "workload" in r and "record" in r and ident(r) not in seen:
+                seen.add(ident(r))
+                new.append(r)
+        if new:
+            write_kernels(dst / "kernels" / kfile.name, list(kernels_of(kfile).values()))
+            append_jsonl(dst / table.name, new)
+        added[table.stem] = len(new)
+    return added
+
+
 def collect(network: str, model, store: DonorStore, out_dir: str | Path, target, measurer,
             max_per_kernel: int = 40, records_per_donor: int = 2, budget_s: float | None = None,
             seed: int = 0, batch: int = 16, exclude_self: bool = True,
@@ -126,7 +173,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     out_dir = Path(out_dir)
     table = out_dir / f"{network}.jsonl"
     kernels = [k for k in extract(model.mod, target) if k.tunable]
-    atomic_write_json(out_dir / "kernels" / f"{network}.json", [k.to_json() for k in kernels])
+    write_kernels(out_dir / "kernels" / f"{network}.json", kernels)
     spec = getattr(measurer, "spec", None)
     # the measuring machine's CPU: over RPC, what the devices report, never the host's
     prov = compact_provenance(spec.provenance(target) if spec is not None else provenance(target))
@@ -208,10 +255,6 @@ def collect_networks(networks: list[str], store: DonorStore, out_dir: str | Path
 # training data
 
 
-# what cpu_description reads of a provenance
-CPU_KEYS = ("mcpu", "cores", "threads", "caches", "device_key", "device_triple", "target")
-
-
 @dataclass
 class Dataset:
     X: "object"  # np.ndarray [n, features]
@@ -239,9 +282,6 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
 
     A row whose donor record is no longer in the store is dropped (its features need it).
     """
-    import numpy as np
-
-
     cpus: dict[str, dict] = {}
 
     def cpu_of(prov: dict) -> dict:

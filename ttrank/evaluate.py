@@ -88,31 +88,41 @@ PAPER_PAIRING = {"resnet18": "resnet50", "resnet50": "googlenet", "alexnet": "vg
                  "efficientnetb4": "efficientnetb0", "bert": "mobilebert", "mobilebert": "bert"}
 
 
-def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
-    """Train on all networks but T, score T's candidates; T's own schedules are never candidates
-    (the collector excludes them) nor training rows (T's groups are held out)."""
+def held_out_scores(ds: Dataset, make_model: Callable[[], object], groups: np.ndarray,
+                     drop_own_donors: bool = False) -> tuple[np.ndarray, dict[str, list[int]]]:
+    """Scores of every row from a model that never saw its group (scikit-learn's
+    ``LeaveOneGroupOut`` over ``groups``), and each group's rows. With ``drop_own_donors``, rows
+    whose donor schedules come from the held-out group (a network) are not trained on either."""
     # xgboost imports scikit-learn anyway; at the top it would cost every command 1.4 s of CPU
     from sklearn.model_selection import LeaveOneGroupOut
 
-    nets = np.array([m["network"] for m in ds.meta])
     scores = np.zeros(len(ds.y), dtype=np.float32)
-    per_net = {}
-    splits = LeaveOneGroupOut().split(ds.X, groups=nets) if len(set(nets)) >= 2 else []
-    for train, test in splits:  # networks in sorted order, as ds.networks
-        net = str(nets[test[0]])
-        # donors from T itself must not teach the model either
-        mask = [i for i in train if ds.meta[i].get("donor_network") != net]
-        model = make_model().fit(ds.X[mask], ds.y[mask], _regroup(ds, mask))
+    held: dict[str, list[int]] = {}
+    if len(set(groups)) < 2:
+        return scores, held
+    for train, test in LeaveOneGroupOut().split(ds.X, groups=groups):  # groups in sorted order
+        name = str(groups[test[0]])
+        if drop_own_donors:
+            train = [i for i in train if ds.meta[i].get("donor_network") != name]
+        model = make_model().fit(ds.X[train], ds.y[train], _regroup(ds, list(train)))
         scores[test] = model.predict(ds.X[test])
-        per_net[net] = [a for a, _ in group_spans(ds) if nets[a] == net]
-    result = {"networks": {}, "average": {}}
-    for net, starts in per_net.items():
-        result["networks"][net] = evaluate(ds, scores, starts)
+        held[name] = list(test)
+    return scores, held
+
+
+def _averaged(per_group: dict[str, dict[str, float]]) -> dict[str, float]:
     keys = KEYS + tuple(f"top{k}" for k in KS if f"top{k}" not in KEYS)
-    vals = [m for m in result["networks"].values() if m]
-    result["average"] = {k: float(np.mean([m[k] for m in vals])) for k in keys} if vals else {}
-    result["scores"] = scores
-    return result
+    vals = [m for m in per_group.values() if m]
+    return {k: float(np.mean([m[k] for m in vals])) for k in keys} if vals else {}
+
+
+def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
+    """Train on all networks but T, score T's candidates; T's own schedules are never candidates
+    (the collector excludes them) nor training rows (T's groups are held out)."""
+    nets = np.array([m["network"] for m in ds.meta])
+    scores, held = held_out_scores(ds, make_model, nets, drop_own_donors=True)
+    per_net = {net: evaluate(ds, scores, rows) for net, rows in held.items()}
+    return {"networks": per_net, "average": _averaged(per_net), "scores": scores}
 
 
 def subset(ds: Dataset, rows: list[int]) -> Dataset:
@@ -141,20 +151,10 @@ def per_cpu(ds: Dataset, make_model: Callable[[], object]) -> dict[str, dict]:
 def leave_one_cpu_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
     """Train on every CPU but C, score C's candidates: how the ranker does on a CPU it never saw
     (from the CPU features alone). Empty ``cpus`` with fewer than two CPUs in the data."""
-    from sklearn.model_selection import LeaveOneGroupOut  # see leave_one_network_out
-
     cpus = cpu_of_rows(ds)
-    result: dict = {"cpus": {}, "average": {}, "have": sorted(set(map(str, cpus)))}
-    if len(set(cpus)) < 2:
-        return result
-    scores = np.zeros(len(ds.y), dtype=np.float32)
-    for train, test in LeaveOneGroupOut().split(ds.X, groups=cpus):
-        model = make_model().fit(ds.X[train], ds.y[train], _regroup(ds, list(train)))
-        scores[test] = model.predict(ds.X[test])
-        result["cpus"][str(cpus[test[0]])] = evaluate(ds, scores, list(test))
-    vals = [m for m in result["cpus"].values() if m]
-    result["average"] = {k: float(np.mean([m[k] for m in vals])) for k in KEYS} if vals else {}
-    return result
+    scores, held = held_out_scores(ds, make_model, cpus)
+    by_cpu = {cpu: evaluate(ds, scores, rows) for cpu, rows in held.items()}
+    return {"cpus": by_cpu, "average": _averaged(by_cpu), "have": sorted(set(map(str, cpus)))}
 
 
 def choose_top_k(average: dict[str, float], goal: float = 0.97, min_gain: float = 0.005,

@@ -380,11 +380,12 @@ def _import(model: onnx.ModelProto, specs: list[InputSpec]) -> tuple[object | No
 
 
 def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
-         simplify_graph: str = "auto", fast_math: bool = False) -> LoadedModel:
+         simplify_graph: str = "auto", fast_math: bool = True) -> LoadedModel:
     """Load an ONNX file into Relax.
 
     ``simplify_graph``: "auto" simplifies only when the plain import fails; "always"/"never".
-    ``fast_math``: see :func:`with_fast_math`.
+    ``fast_math``: see :func:`with_fast_math` (the default, as onnxruntime; False keeps libm's
+    exact exp/erf/tanh).
     """
     model = read_onnx(path)
     specs = bind_input_shapes(model, input_shapes or {})

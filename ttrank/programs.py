@@ -307,7 +307,9 @@ def candidate_vectors(ds, store, target) -> np.ndarray:
             vec = {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
         else:
             try:  # rows of the user's own models have no program to rebuild: they stay NaN
-                kernels = {k.workload_hash: k for k in extract(zoo.load(f"zoo:{net}").mod, target)}
+                # the tables hold rows of both imports (exact math before it became the default)
+                kernels = {k.workload_hash: k for fast in (False, True)
+                           for k in extract(zoo.load(f"zoo:{net}", fast_math=fast).mod, target)}
             except TTRankError as e:
                 log.info("no program features for %s: %s", net, e)
                 continue

@@ -94,6 +94,10 @@ def cpu_isa(mcpu: str, triple: str = "") -> dict[str, float]:
             "amd": float(mcpu.startswith(_AMD_CPUS)), "arm": float(arm)}
 
 
+# what cpu_description reads of a provenance: rows that agree on these describe one CPU
+CPU_KEYS = ("mcpu", "cores", "threads", "caches", "device_key", "device_triple", "target")
+
+
 def cpu_description(prov: dict) -> dict[str, Any]:
     """The facts about a measuring CPU that the ranker's ``c_`` features read, from a row's or
     a run's provenance: its name, ISA (:func:`cpu_isa`), cores, runtime threads and caches

@@ -16,7 +16,7 @@ from .errors import TTRankError
 from .evaluate import KEYS, baseline_scores, choose_top_k, evaluate, group_spans, leave_one_network_out
 from .features import FEATURE_GROUPS
 from .measure import Measurer
-from .programs import cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
+from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
 from .ranker import OBJECTIVES, Ranker
 from .target import make_target, provenance
 from .util import cache_dir
@@ -132,11 +132,14 @@ def choose_stage2(ds: Dataset, ranker_scores: np.ndarray, cost_scores: np.ndarra
 def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None = None,
           out: str | Path | None = None, objectives: tuple[str, ...] = OBJECTIVES,
           n_estimators: int = 300, ds: Dataset | None = None, programs: bool = True,
-          target=None) -> dict:
+          target=None, like: Ranker | None = None) -> dict:
     """Train and save the ranker; returns the evaluation report. ``ds``: the dataset, if the
     caller already built it from the same dirs and store. ``programs``: also evaluate the second
     stage (:mod:`ttrank.programs`) and, if it helps, save its cost model beside the ranker.
-    ``out``: the ranker file (default: the shipped one, :func:`ttrank.locations.shipped_ranker`)."""
+    ``out``: the ranker file (default: the shipped one, :func:`ttrank.locations.shipped_ranker`).
+    ``like``: refit with that ranker's settings (config, k, second stage and its cost model)
+    instead of choosing them again by leave-one-out: a minute instead of a quarter of an hour,
+    for a bounded budget such as ``adapt``'s."""
     out = Path(out) if out is not None else locations.shipped_ranker()
     store = store or DonorStore.load()
     dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
@@ -148,6 +151,8 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
                     "configs": {}}
     configs = candidate_configs(objectives)
     best = configs[0]
+    if like is not None:
+        return _refit_like(like, ds, dirs, out, report)
     if len(ds.networks) >= 2:
         best, results = select_config(ds, configs, n_estimators)
         report["configs"] = {k: {kk: v for kk, v in r.items() if kk != "scores"} for k, r in results.items()}
@@ -175,6 +180,27 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores
     report["top_k"] = choose_top_k(loo, max_k=5)
     ranker = Ranker(n_estimators=n_estimators, **best).fit(ds.X, ds.y, ds.groups)
+    _save(ranker, out, ds, dirs, report)
+    return report
+
+
+def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: dict) -> dict:
+    """:func:`train` with ``like``'s settings (its trees too): no evaluation, the same second stage."""
+    params = like.get_params()
+    report.update(config=config_label(params), objective=params["objective"], refit_like=str(like.path),
+                  top_k=like.metadata.get("top_k") or 3, leave_one_network_out=None)
+    stage2 = like.metadata.get("stage2")
+    if stage2 and stage2.get("enabled") and like.path is not None:
+        # the cost model learned the donors' tuning logs, not the measurements: it carries over
+        cm = CostModel.load(Path(like.path).with_name(stage2["cost_model"]))
+        cm.save(cost_model_path(out), **cm.metadata)
+        report["stage2"] = {**stage2, "cost_model": cost_model_path(out).name}
+    ranker = Ranker(**params).fit(ds.X, ds.y, ds.groups)
+    _save(ranker, out, ds, dirs, report)
+    return report
+
+
+def _save(ranker: Ranker, out: Path, ds: Dataset, dirs: list[Path], report: dict) -> None:
     prov = provenance()
     # the ranker carries the CPU its labels were measured on, not the one it was fitted on
     data_cpus = data_cpus_of(ds)
@@ -187,7 +213,6 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
                 fitted_on={"cpu": prov["cpu"], "mcpu": prov["mcpu"]}, tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "configs"})
     report["model"] = str(out)
-    return report
 
 
 def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
