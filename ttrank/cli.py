@@ -726,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         # before TVM's thread pool starts here, and inherited by every measuring worker
         os.environ["TVM_NUM_THREADS"] = str(args.threads)
     interrupted = []
+    util.STOP_REQUESTED.clear()  # a request belongs to one command (main may run many in a process)
 
     def handler(signum, frame):
         # TVM's FFI turns a KeyboardInterrupt raised inside a native call into a RuntimeError
@@ -746,7 +747,11 @@ def _run(args, native: _NativeLog, interrupted: list[bool]) -> int:
     stderr is still captured (so what dies with the failure does not print after it).
     ``interrupted`` fills up when Ctrl-C arrives (TVM may turn it into another exception)."""
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        if interrupted:  # swallowed on the way (native code); the user still pressed Ctrl-C
+            say("interrupted; finished work is kept, rerun to resume")
+            return 130
+        return rc
     except TTRankError as e:
         if e.native_log:
             native.explain()

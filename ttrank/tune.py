@@ -246,6 +246,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             remaining = tp.target_trials - tp.done
             if remaining <= 0:
                 continue
+            if STOP_REQUESTED.is_set():  # a Ctrl-C that native code swallowed
+                raise KeyboardInterrupt
             if over_budget():
                 log.info("budget spent; stopping before %s", tp.name)
                 break

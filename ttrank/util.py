@@ -313,8 +313,6 @@ def to_native_log(text: str) -> None:
 @contextlib.contextmanager
 def stop_at_safe_points() -> Iterator[None]:
     """Within: the first Ctrl-C sets :data:`STOP_REQUESTED` (checked between batches)."""
-    if not _SAFE_SECTIONS[0]:
-        STOP_REQUESTED.clear()
     _SAFE_SECTIONS[0] += 1
     try:
         yield
@@ -324,9 +322,15 @@ def stop_at_safe_points() -> Iterator[None]:
 
 def on_sigint(signum, frame) -> None:
     """SIGINT handler: a stop request inside a safe section, else (or the second time) a
-    KeyboardInterrupt as usual."""
-    if _SAFE_SECTIONS[0] and not STOP_REQUESTED.is_set():
-        STOP_REQUESTED.set()
+    KeyboardInterrupt as usual.
+
+    The request is recorded either way: TVM's native code can swallow the KeyboardInterrupt
+    (a Python callback's exception becomes a failed candidate), and the loops check
+    :data:`STOP_REQUESTED` between tasks. Whoever installs the handler clears it first.
+    """
+    first = not STOP_REQUESTED.is_set()
+    STOP_REQUESTED.set()
+    if _SAFE_SECTIONS[0] and first:
         with contextlib.suppress(OSError):
             os.write(USER_STDERR_FD[0], b"ttrank: stopping after the current batch (Ctrl-C again to stop at once)\n")
         return
