@@ -3,6 +3,12 @@
     python bench/tune_donors.py --budget-minutes 170 [--trials-per-task 64] [names...]
 
 Each network is one `ttrank tune` run; a rerun continues where the last one stopped.
+
+Pool v1 (the default) is NCHW, one runtime thread. Another layout or thread count is another
+donor set, kept beside v1 in ``<name>@<layout>-t<threads>-<mcpu>/`` (the store reads it as
+network ``<name>``, so leave-one-out leaves both out):
+
+    python bench/tune_donors.py --budget-minutes 120 --layout nchwc --threads 0 resnet18
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import time
 from pathlib import Path
 
 from ttrank.bench import DONOR_ORDER as ORDER
+from ttrank.donors import donor_set_dir
+from ttrank.layouts import LAYOUTS
 from ttrank.locations import shipped_donors
+from ttrank.target import host_cores, make_target, provenance
 from ttrank.util import atomic_write_json
 from ttrank.workdir import MANIFEST_FILE, read_manifest
 
@@ -27,11 +36,17 @@ def main() -> int:
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--trials-per-task", type=int, default=64)
     ap.add_argument("--out", default=None, help="default: datasets/donors of the data home")
+    ap.add_argument("--layout", choices=list(LAYOUTS), default="nchw")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="TVM runtime threads while tuning (v1: 1; 0: one per core)")
     args = ap.parse_args()
     deadline = time.time() + 60 * args.budget_minutes
     args.out = args.out or str(shipped_donors(required=True))
+    threads = args.threads or host_cores()
+    v1 = args.layout == "nchw" and threads == 1
     for name in args.names:
-        work = Path(args.out) / name
+        work = Path(args.out) / name if v1 else donor_set_dir(
+            Path(args.out), name, args.layout, threads, provenance(make_target())["mcpu"])
         m = read_manifest(work)
         if m.get("complete") and m.get("trials_per_task") == args.trials_per_task and \
                 m.get("model_latency_ms"):
@@ -43,13 +58,13 @@ def main() -> int:
             break
         cmd = ["ttrank", "tune", f"zoo:{name}", "--out", str(work), "--name", name,
                "--trials-per-task", str(args.trials_per_task), "--budget-minutes", f"{left:.1f}",
-               "--no-progress", "--measure-model"]
+               "--no-progress", "--measure-model", "--layout", args.layout]
         print(" ".join(cmd), flush=True)
         # The first nine donors were tuned with TVM's default of one runtime thread on this
         # 2-core host (TVM halves the CPU count to skip hyper-threads); the rest of the dataset
         # keeps that, so every donor's own latency means the same thing. TTRANK_DONOR_THREADS
         # overrides it for a new donor set.
-        env = dict(os.environ, TVM_NUM_THREADS=os.environ.get("TTRANK_DONOR_THREADS", "1"))
+        env = dict(os.environ, TVM_NUM_THREADS=os.environ.get("TTRANK_DONOR_THREADS", str(threads)))
         rc = subprocess.call(cmd, env=env)
         print(f"{name}: exit {rc}", flush=True)
         write_summary(Path(args.out))
@@ -64,6 +79,7 @@ def write_summary(root: Path) -> None:
         m = json.loads(man.read_text())
         prov = m.get("provenance", {})
         nets[man.parent.name] = {
+            "layout": m.get("layout", "nchw"),
             "trials_per_task": m.get("trials_per_task"), "trials": m.get("trials_done"),
             "trials_target": m.get("trials_target"), "complete": m.get("complete"),
             "search_seconds": m.get("search_seconds"), "kernels": m.get("kernels"),

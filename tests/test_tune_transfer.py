@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,18 @@ def test_store_skips_bad_lines_and_other_targets(donor_dir, tmp_path):
     assert rep.skipped["other target"] == 1
     assert rep.skipped["bad workload"] == 1
     assert ws and rep.kept >= 3
+
+
+def test_two_donor_sets_of_one_network_keep_their_records_apart(donor_dir, tmp_path):
+    """A second set of the same network (tuned natively, or in another layout) tunes some of the
+    same workloads: its records get ids of their own, and leaving the network out drops both."""
+    other = donors.donor_set_dir(tmp_path, donor_dir.name, "nchw", 2, "somecpu")
+    shutil.copytree(donor_dir, other)
+    store = donors.DonorStore.load([donor_dir, other], use_cache=False)
+    assert store.networks == [donor_dir.name]
+    ids = [r.id for r in store.records()]
+    assert len(ids) == len(set(ids)) and any(i.startswith(other.name + "/") for i in ids)
+    assert not store.without({donor_dir.name}).workloads
 
 
 def test_donors_add_and_list(donor_dir, tmp_path, capsys, monkeypatch):

@@ -20,12 +20,16 @@ from .zoo import load  # noqa: E402
 __all__ = ["Candidate", "KernelReport", "Result", "TTRankError", "load", "rank", "recommend"]
 
 
-def _as_model(model, input_shapes=None, fast_math: bool = True) -> LoadedModel:
-    return model if isinstance(model, LoadedModel) else load(model, input_shapes, fast_math)
+def _as_model(model, input_shapes=None, fast_math: bool = True, layout: str = "nchw",
+              target=None) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    return load(model, input_shapes, fast_math, layout=layout, target=target)
 
 
 def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, target=None,
-         exclude_networks=(), input_shapes=None, programs: bool = True, fast_math: bool = True):
+         exclude_networks=(), input_shapes=None, programs: bool = True, fast_math: bool = True,
+         layout: str = "nchw"):
     """Rank donor schedules without measuring.
 
     For a :class:`~ttrank.kernels.Kernel`, the list of its best ``k`` Candidates (all if None);
@@ -35,6 +39,7 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
     does (the shortlist is transferred and reordered by the program cost model, at 0.1-0.3 s
     per shortlisted candidate; those Candidates carry ``cost_score``). ``fast_math``: a model
     given by path is loaded with vectorised exp/erf/tanh (False: libm's exact ones).
+    ``layout``: its convs' layout ("nchw", "nchwc", "nhwc"; see :func:`ttrank.frontend.load`).
     """
     target = target if target is not None else make_target()
     store = store if store is not None else DonorStore.load()
@@ -51,15 +56,17 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
 
     if isinstance(model_or_kernel, Kernel):
         return one(model_or_kernel)
-    model = _as_model(model_or_kernel, input_shapes, fast_math)
+    model = _as_model(model_or_kernel, input_shapes, fast_math, layout, target)
     return {kern.name: one(kern) for kern in extract(model.mod, target)}
 
 
-def recommend(model, *, input_shapes=None, fast_math: bool = True, **kwargs) -> Result:
+def recommend(model, *, input_shapes=None, fast_math: bool = True, layout: str = "nchw",
+              **kwargs) -> Result:
     """Transfer-tune a model end to end; see :func:`ttrank.pipeline.recommend` for the options.
-    ``fast_math``: as in :func:`rank`.
+    ``fast_math``, ``layout``: as in :func:`rank`.
 
     Returns a :class:`Result`: chosen schedules per kernel, the database path, the compiled
     module (``result.compiled``), latencies and the per-kernel report.
     """
-    return _recommend(_as_model(model, input_shapes, fast_math), **kwargs)
+    model = _as_model(model, input_shapes, fast_math, layout, kwargs.get("target"))
+    return _recommend(model, **kwargs)

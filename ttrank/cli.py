@@ -19,6 +19,7 @@ from .coverage import coverage
 from .errors import BusyError, CheckError, OutputError, TTRankError
 from .evaluate import KEYS, PAPER_PAIRING
 from .frontend import onnx_complaint
+from .layouts import LAYOUTS
 from .measure import Measurer, RunnerSpec
 from .pipeline import MEASURE_SECONDS
 from .ranker import Ranker
@@ -63,17 +64,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                            "faster swish, sigmoid, GELU and softmax)")
     # the default since fast math became it; kept so that earlier commands still run
     math.add_argument("--fast-math", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", choices=list(LAYOUTS), default="nchw",
+                   help="the convolutions' activation layout: nchw (as exported), nchwc (packed "
+                        "convs blocked by the target's vector width, as onnxruntime's CPU "
+                        "kernels) or nhwc; the model's inputs and outputs keep theirs. Schedules "
+                        "transfer only between kernels of the same layout")
 
 
-def load_model_arg(spec: str, input_shapes: list[str], fast_math: bool = True, args=None):
-    """Load ``path.onnx`` or ``zoo:NAME`` (built on demand and cached).
+def load_model_arg(args, target=None):
+    """Load ``args.model``: ``path.onnx`` or ``zoo:NAME`` (built on demand and cached), with
+    the command's input shapes, math and layout (blocked for ``target``).
 
-    With ``args``, keeps the model there: if TVM fails on it later, and the file is not valid
-    ONNX, that is the user's to fix, not a ttrank bug.
+    Keeps the model in ``args``: if TVM fails on it later, and the file is not valid ONNX,
+    that is the user's to fix, not a ttrank bug.
     """
-    model = zoo.load(spec, frontend.parse_input_shapes(input_shapes), fast_math=fast_math)
-    if args is not None:
-        args.loaded_model = model
+    model = zoo.load(args.model, frontend.parse_input_shapes(args.input_shape),
+                     fast_math=not args.exact_math, layout=args.layout, target=target)
+    args.loaded_model = model
     if model.simplified_because:  # the importer's own complaint went to the native log (-v)
         say(f"note: simplified the graph with onnxslim before import: {model.simplified_because}")
     return model
@@ -100,8 +107,9 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
-    ks = kernels.extract(model.mod, make_target(args.target), include_injective=not args.tunable)
+    target = make_target(args.target)
+    model = load_model_arg(args, target)
+    ks = kernels.extract(model.mod, target, include_injective=not args.tunable)
     if args.coverage:
         return _print_coverage(model.name, ks, args)
     if args.json:
@@ -162,9 +170,9 @@ def _fmt_attrs(attrs: dict) -> str:
 
 def cmd_compile(args) -> int:
     con = _console()
-    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
-    _check_output_space(model, Path(args.output))  # before compiling, not after
     target = make_target(args.target)
+    model = load_model_arg(args, target)
+    _check_output_space(model, Path(args.output))  # before compiling, not after
     database = None
     if args.database:
         database = open_database(args.database)
@@ -196,8 +204,8 @@ def cmd_tune(args) -> int:
     con = _console()
     # MetaSchedule's own tuning runner settings, on the fleet's devices with --rpc-tracker
     runner = _runner_spec(args, cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
-    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
     target = _make_target(args, runner)
+    model = load_model_arg(args, target)
     name = args.name or (args.model[4:] if args.model.startswith("zoo:") else model.name)
     why = util.writable_dir(args.out)
     if why:
@@ -224,7 +232,7 @@ def cmd_tune(args) -> int:
                          budget_minutes=args.budget_minutes, target=target, model_name=name,
                          injective_trials=args.injective_trials, seed=args.seed,
                          on_progress=on_progress, only=args.only,
-                         runner=runner if runner.kind == "rpc" else None)
+                         runner=runner if runner.kind == "rpc" else None, layout=model.layout)
     complete = prog.trials_done >= prog.trials_total
     cannot = runtime.host_cannot_time(target, remote=runner.kind == "rpc") if args.measure_model else None
     if cannot:
@@ -309,16 +317,16 @@ def cmd_donors(args) -> int:
 
     t = Table(title=f"donor store: {len(store.workloads)} kernels, {len(store.records())} records")
     for col in ("network", "kernels", "records", "trials", "search", "untuned ms", "tuned ms",
-                "speedup", "onnxruntime ms", "threads", "cpu"):
+                "speedup", "onnxruntime ms", "layout", "threads", "cpu"):
         t.add_column(col)
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in rows:
         trials = f"{r['trials']}/{r['trials_target']}" if r.get("trials") is not None else "-"
         speed = (r["untuned_ms"] / r["tuned_ms"]) if r["untuned_ms"] and r["tuned_ms"] else None
-        t.add_row(r["network"], str(r["kernels"]), str(r["records"]), trials,
+        t.add_row(r["folder"], str(r["kernels"]), str(r["records"]), trials,
                   fmt(r.get("search_seconds"), "{:.0f} s"), fmt(r["untuned_ms"], "{:.1f}"),
                   fmt(r["tuned_ms"] or r.get("estimated_ms"), "{:.2f}" if r["tuned_ms"] else "~{:.2f}"),
-                  fmt(speed, "{:.1f}x"), fmt(r["onnxruntime_ms"]), str(r.get("threads") or "-"),
+                  fmt(speed, "{:.1f}x"), fmt(r["onnxruntime_ms"]), r["layout"], str(r.get("threads") or "-"),
                   str(r.get("cpu") or "-"))
     con.print(t)
     con.print("tuned ms with ~ is the sum of per-kernel bests while tuning is incomplete; threads: "
@@ -390,8 +398,8 @@ def cmd_recommend(args) -> int:
 
     con = _console()
     runner = _runner_spec(args)  # a tracker that is down says so before any work
-    model = load_model_arg(args.model, args.input_shape, not args.exact_math, args)
     target = _make_target(args, runner)
+    model = load_model_arg(args, target)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
     store = donors.DonorStore.load(args.donors or None, target=target if args.same_target_only else None)

@@ -38,8 +38,8 @@ from .workdir import (MANIFEST_FILE, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, da
 
 log = logging.getLogger("ttrank")
 
-INDEX_VERSION = 3  # 3: records with annotations TVM reads as code are skipped
-STORE_INDEX_VERSION = 1  # the whole-store index (see _store_index); + INDEX_VERSION and FEATURE_VERSION
+INDEX_VERSION = 4  # 3: records with annotations TVM reads as code are skipped; 4: ids by source
+STORE_INDEX_VERSION = 2  # the whole-store index (see _store_index); + INDEX_VERSION and FEATURE_VERSION
 @dataclass
 class DonorRecord:
     """One tuned schedule of one donor kernel, with provenance."""
@@ -72,12 +72,15 @@ class DonorWorkload:
     # most of its bytes, unparsed: only the few workloads a transfer touches are ever read)
     workload_json: Any = field(repr=False)
     records: list[DonorRecord] = field(default_factory=list)
+    # the work_dir's folder name: two sets of one network (v1 and a native or packed set) tune
+    # some of the same workloads, and their records must not share ids
+    source: str = ""
 
     _mod: Any = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
-        return f"{self.network}/{self.kernel.workload_hash}"
+        return f"{self.source or self.network}/{self.kernel.workload_hash}"
 
     def module(self):
         """The donor workload's IRModule, parsed once."""
@@ -126,6 +129,7 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a log is parsed
 
     work_dir = Path(work_dir)
+    source = network or work_dir.name
     network = network or network_of(work_dir)
     report = LoadReport(str(work_dir), network)
     wl_path, rec_path = database_files(work_dir)
@@ -144,7 +148,7 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
             workloads.append(None)  # keep indices aligned with the records' references
             continue
         kernel.name = names.get(kernel.workload_hash, kernel.name)
-        workloads.append(DonorWorkload(network, kernel, wl_json))
+        workloads.append(DonorWorkload(network, kernel, wl_json, source=source))
     report.workloads = sum(1 for w in workloads if w is not None)
 
     per_wl: dict[int, list[tuple[float, Any, str]]] = defaultdict(list)
@@ -294,6 +298,8 @@ def user_donor_dir() -> Path:
 
 
 NATIVE_PREFIX = "native-"
+# "<network>@<set>": a donor set beside v1 (bench/tune_donors.py --layout/--threads)
+SET_SEPARATOR = "@"
 
 
 def native_dir(network: str, mcpu: str) -> Path:
@@ -302,10 +308,21 @@ def native_dir(network: str, mcpu: str) -> Path:
     return user_donor_dir() / f"{NATIVE_PREFIX}{mcpu}-{network}"
 
 
+def tuned_here_dir(model: str, layout: str = "nchw") -> Path:
+    """Where recommend tunes what no donor covers in ``model`` (a folder per layout: a tuning
+    run holds one)."""
+    return user_donor_dir() / (model if layout == "nchw" else f"{model}{SET_SEPARATOR}{layout}")
+
+
+def donor_set_dir(root: Path, network: str, layout: str, threads: int, mcpu: str) -> Path:
+    """Where a donor set other than v1 (NCHW, one thread) keeps ``network``'s tuning run."""
+    return root / f"{network}{SET_SEPARATOR}{layout}-t{threads}-{mcpu}"
+
+
 def network_of(work_dir: str | Path) -> str:
-    """The donor network a work_dir holds: its folder name, or for a native one the network it
-    was tuned in, so leaving a network out leaves its native records out too."""
-    name = Path(work_dir).name
+    """The donor network a work_dir holds: its folder name, or for a native one or another
+    donor set's the network it was tuned in, so leaving a network out leaves them out too."""
+    name = Path(work_dir).name.split(SET_SEPARATOR, 1)[0]
     if name.startswith(NATIVE_PREFIX) and name.count("-") >= 2:
         return name[len(NATIVE_PREFIX):].split("-", 1)[1]
     return name
@@ -355,7 +372,8 @@ def _store_index(dirs: list[Path], top_k: int, target, use_cache: bool
         # (and no TVM object: a freshly parsed kernel holds its IRModule, rebuilt from the text)
         compact = [DonorWorkload(w.network, dataclasses.replace(w.kernel, mod=None),
                                  w.workload_json if isinstance(w.workload_json, str)
-                                 else json.dumps(w.workload_json), w.records) for w in workloads]
+                                 else json.dumps(w.workload_json), w.records, w.source)
+                   for w in workloads]
         atomic_write_bytes(path, pickle.dumps({"version": STORE_INDEX_VERSION, "workloads": compact,
                                                "reports": reports, "donor_features": feats},
                                               protocol=pickle.HIGHEST_PROTOCOL))
@@ -392,14 +410,14 @@ def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
             for d in data["workloads"]:
                 k = Kernel(**d["kernel"])
                 recs = [DonorRecord(**r) for r in d["records"]]
-                ws.append(DonorWorkload(d["network"], k, d["workload_json"], recs))
+                ws.append(DonorWorkload(d["network"], k, d["workload_json"], recs, d["source"]))
             # the index is keyed by content: the same logs elsewhere (a clone) are found here
             rep = LoadReport(**{**data["report"], "work_dir": str(work_dir)})
             return ws, rep
         except (OSError, ValueError, KeyError, TypeError):
             log.info("index cache %s unreadable; rebuilding", path)
     ws, rep = index_work_dir(work_dir, top_k=top_k, target=target)
-    data = {"workloads": [{"network": w.network, "kernel": _kernel_json(w.kernel),
+    data = {"workloads": [{"network": w.network, "source": w.source, "kernel": _kernel_json(w.kernel),
                            "workload_json": (json.loads(w.workload_json) if isinstance(w.workload_json, str)
                                              else w.workload_json),
                            "records": [r.to_json() for r in w.records]} for w in ws],
@@ -471,7 +489,8 @@ def listing(work_dirs: list[Path] | None = None) -> tuple[DonorStore, list[dict[
     for d, rep in zip(dirs, store.reports):
         s = network_summary(d)
         lat = s.get("model_latency_ms") or {}
-        rows.append({**s, "network": rep.network, "kernels": rep.workloads, "records": rep.kept,
+        rows.append({**s, "network": rep.network, "folder": d.name, "kernels": rep.workloads,
+                     "records": rep.kept,
                      "lines": rep.records, "skipped": rep.skipped,
                      "untuned_ms": lat.get("untuned"), "tuned_ms": lat.get("tuned"),
                      "onnxruntime_ms": lat.get("onnxruntime")})
@@ -487,4 +506,4 @@ def network_summary(work_dir: Path) -> dict[str, Any]:
             "search_seconds": m.get("search_seconds"), "estimated_ms": m.get("estimated_ms"),
             "model_latency_ms": m.get("model_latency_ms"),
             "cpu": f"{prov.get('cpu')} ({prov.get('mcpu')})" if prov.get("mcpu") else prov.get("cpu"),
-            "threads": prov.get("threads"), "tvm": prov.get("tvm")}
+            "threads": prov.get("threads"), "tvm": prov.get("tvm"), "layout": m.get("layout", "nchw")}

@@ -18,6 +18,7 @@ import psutil
 from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeError,
                      UnsafeModelError, UnsupportedOpError)
 from .graphopt import clean_up
+from .layouts import LAYOUTS, apply_layout
 from .util import to_native_log
 
 log = logging.getLogger("ttrank")
@@ -50,6 +51,8 @@ class LoadedModel:
     fast_math: bool = False
     # why the graph was simplified before import (what TVM's importer said of it as exported)
     simplified_because: str = ""
+    # the convolutions' activation layout (ttrank.layouts.LAYOUTS); the interface stays NCHW
+    layout: str = "nchw"
 
     @property
     def name(self) -> str:
@@ -380,13 +383,19 @@ def _import(model: onnx.ModelProto, specs: list[InputSpec]) -> tuple[object | No
 
 
 def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
-         simplify_graph: str = "auto", fast_math: bool = True) -> LoadedModel:
+         simplify_graph: str = "auto", fast_math: bool = True, layout: str = "nchw",
+         target=None) -> LoadedModel:
     """Load an ONNX file into Relax.
 
     ``simplify_graph``: "auto" simplifies only when the plain import fails; "always"/"never".
     ``fast_math``: see :func:`with_fast_math` (the default, as onnxruntime; False keeps libm's
     exact exp/erf/tanh).
+    ``layout``: the convolutions' activation layout, one of :data:`ttrank.layouts.LAYOUTS`:
+    "nchw" (as imported), "nchwc" (packed x86 convs, blocks sized for ``target``'s vector
+    lanes; default target: this host) or "nhwc". The module's inputs and outputs stay NCHW.
     """
+    if layout not in LAYOUTS:
+        raise ModelLoadError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     model = read_onnx(path)
     specs = bind_input_shapes(model, input_shapes or {})
     check_sizes(model, specs, path)
@@ -419,8 +428,9 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     mod = clean_up(mod)  # batch norms folded, 2x2-stride-2 transposed convs as convs
     if fast_math:
         mod = with_fast_math(mod)
+    mod = apply_layout(mod, layout, target)
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because)
+    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because, layout)
 
 
 def _simplify(model: onnx.ModelProto, path) -> onnx.ModelProto:

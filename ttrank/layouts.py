@@ -293,18 +293,17 @@ def to_nhwc(mod):
         return relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod)
 
 
-LAYOUTS = {"nchw": None, "nhwc": to_nhwc, "nchwc": pack_conv2d_nchwc}
+# layout name -> the pass that puts a module's convs in it (given the target, for vector lanes)
+LAYOUTS = {"nchw": lambda mod, target=None: mod,
+           "nchwc": lambda mod, target=None: pack_conv2d_nchwc(mod, target=target),
+           "nhwc": lambda mod, target=None: to_nhwc(mod)}
 
 
 def apply_layout(mod, layout: str, target=None):
     """The module with its convs in ``layout`` (nchw: unchanged)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    if layout == "nchw":
-        return mod
-    if layout == "nchwc":
-        return pack_conv2d_nchwc(mod, target=target)
-    return LAYOUTS[layout](mod)
+    return LAYOUTS[layout](mod, target)
 
 
 def is_packed_task(task_name: str) -> bool:

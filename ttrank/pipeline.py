@@ -19,7 +19,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from . import measurements
 from .coverage import plan_missing
-from .donors import DonorStore, user_donor_dir
+from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
 from .frontend import LoadedModel
 from .kernels import Kernel, extract
@@ -230,7 +230,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                             "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
                             "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                             "total": round(time.time() - t_start, 2)},
-                  str(target), compiled, {**provenance(target), "fast_math": model.fast_math,
+                  str(target), compiled, {**provenance(target), "fast_math": model.fast_math, "layout": model.layout,
                                           "top_k": top_k, "minor_share": policy.minor_share,
                                           "policy": policy.to_json(),
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
@@ -411,7 +411,7 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
     done = set(chosen) | {k.name for k in kernels if k.workload_hash in tuned_before}
     plans = plan_missing(kernels, {n: r.best_s for n, r in reports.items()}, done, budget_s=budget_s)
     extra_db = None
-    work = user_donor_dir() / model.name
+    work = tuned_here_dir(model.name, model.layout)
     remote = (dataclasses.replace(runner, number=3, repeat=1, min_repeat_ms=50)
               if runner is not None and runner.kind == "rpc" else None)
     for i, plan in enumerate(plans):

@@ -12,6 +12,7 @@ database file; :func:`repair_database` moves it aside (never dropping a whole li
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -164,7 +165,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
          model_name: str = "model", seed: int | None = None,
          on_progress: Callable[[TuneProgress], None] | None = None,
          build_timeout_sec: float = 60.0, runner=None,
-         only: list[str] | None = None, prepare: Callable | None = None) -> TuneProgress:
+         only: list[str] | None = None, prepare: Callable | None = None,
+         layout: str = "nchw") -> TuneProgress:
     """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
 
     Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
@@ -175,12 +177,17 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     device under its key measures at once, and the manifest records their CPU, not the host's).
     ``prepare``: a function applied to the fused module before task extraction (for example
     ``relax.transform.AttachAttrLayoutFreeBuffers()``, which lets MetaSchedule's RewriteLayout
-    pre-pack the weights).
+    pre-pack the weights). ``layout``: the convs' layout ``mod`` was loaded with
+    (:func:`ttrank.frontend.load`), recorded in the manifest.
     """
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when tuning
 
     started = time.time()
     work_dir = Path(work_dir)
+    earlier = read_manifest(work_dir).get("layout", "nchw")
+    if earlier != layout:  # its kernels are other kernels: resuming would mix two searches
+        raise TTRankError(f"{work_dir} holds a {earlier} tuning run; tune the {layout} layout "
+                          "into another folder")
     work_dir.mkdir(parents=True, exist_ok=True)
     for note in repair_database(work_dir):
         log.warning("%s: %s", work_dir, note)
@@ -226,8 +233,9 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     if isinstance(runner, RunnerSpec):
         machine = runner.provenance(target)
         runner = made = runner.create()
-    _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
-                    progress, prior_search, machine)
+    manifest = functools.partial(_write_manifest, work_dir, model_name, target, trials_per_task,
+                                 injective_trials, kernels, layout=layout, machine=machine)
+    manifest(progress, prior_search)
     t0 = time.time()
 
     def clock() -> float:
@@ -298,13 +306,11 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                                                   "target": tp.target_trials})
             tp.target_trials = tp.done  # finished, possibly early on an exhausted space
             progress.search_s = clock()
-            _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials,
-                            kernels, progress, prior_search, machine)
+            manifest(progress, prior_search)
     finally:
         builder.close()
         progress.search_s = clock()
-        _write_manifest(work_dir, model_name, target, trials_per_task, injective_trials, kernels,
-                        progress, prior_search, machine)
+        manifest(progress, prior_search)
         if hasattr(made, "close"):  # the fleet runner made here: its worker pool
             made.close()
     return progress
@@ -356,12 +362,13 @@ def metaschedule_logging():
 
 def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
                     injective_trials: int, kernels, progress: TuneProgress,
-                    prior_search: float, machine: dict | None = None) -> None:
+                    prior_search: float, machine: dict | None = None, layout: str = "nchw") -> None:
     old = read_manifest(work_dir)
     prov = machine or provenance(target)  # machine: the RPC devices' own report
     earlier_cpus = old.get("cpus") or [(old.get("provenance") or {}).get("mcpu")]
     manifest = {
         "model": model_name,
+        "layout": layout,
         "trials_per_task": trials_per_task,
         "injective_trials": injective_trials,
         # what the first run asked for: how older logs without per-task targets are read

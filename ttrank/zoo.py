@@ -913,10 +913,11 @@ def cached(name: str) -> Path:
     return path
 
 
-def load(path, input_shapes=None, fast_math: bool = True):
+def load(path, input_shapes=None, fast_math: bool = True, layout: str = "nchw", target=None):
     """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:
     {name: [dims]} for dynamic inputs; ``fast_math``: :func:`ttrank.frontend.with_fast_math`,
-    the default; False for libm's exact transcendentals)."""
+    the default; False for libm's exact transcendentals; ``layout``, ``target``: as in
+    :func:`ttrank.frontend.load`)."""
     if isinstance(path, str) and path.startswith("zoo:"):
         path = cached(path[4:])
-    return frontend.load(path, input_shapes, fast_math=fast_math)
+    return frontend.load(path, input_shapes, fast_math=fast_math, layout=layout, target=target)

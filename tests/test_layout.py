@@ -1,0 +1,45 @@
+"""A model in the packed NCHW[x]c layout, end to end: tuned into donors, transferred, compiled."""
+
+from __future__ import annotations
+
+import json
+
+from ttrank import donors, kernels, zoo
+from ttrank.cli import main
+from ttrank.target import make_target
+from ttrank.workdir import read_manifest
+
+
+def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path, capsys):
+    # donors tuned in the packed layout: only its packed convs, a few trials each
+    packed_donors = tmp_path / "tiny_cnn-nchwc"
+    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(packed_donors),
+                 "--trials-per-task", "6", "--only", "NCHWc", "--no-progress"]) == 0
+    assert read_manifest(packed_donors)["layout"] == "nchwc"
+    store = donors.DonorStore.load([packed_donors])
+    assert store.workloads and all("NCHWc" in w.kernel.anchor_op for w in store.workloads)
+
+    # the folder holds a packed search: an NCHW run into it is refused, in one line
+    capsys.readouterr()
+    assert main(["tune", str(tiny_cnn), "--out", str(packed_donors), "--trials-per-task", "6",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a nchwc tuning run" in err[0]
+
+    # recommend on the packed model: its packed convs take the packed donors' schedules, and the
+    # compiled model (NCHW interface) matches onnxruntime
+    report = tmp_path / "report.json"
+    assert main(["recommend", str(tiny_cnn), "--layout", "nchwc", "-o", str(tmp_path / "cnn.so"),
+                 "--ranker", str(trained), "--donors", str(packed_donors), "--json", str(report),
+                 "--data-dir", str(tmp_path / "data"), "--top-k", "2", "--tune-missing", "0",
+                 "--no-progress"]) == 0
+    r = json.loads(report.read_text())
+    assert r["provenance"]["layout"] == "nchwc"
+    assert r["max_abs_error_vs_onnxruntime"] < 1e-3
+    packed = [k for k in r["kernels"] if "NCHWc" in k["workload_class"]]
+    assert packed and all(k["candidates"] > 0 for k in packed)
+    assert any(k["status"] == "tuned" for k in packed)
+
+    # the same model as exported has no packed kernel: NCHW and packed schedules never mix
+    plain = kernels.extract(zoo.load(str(tiny_cnn)).mod, make_target())
+    assert not any("NCHWc" in k.anchor_op for k in plain)
