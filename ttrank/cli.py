@@ -543,7 +543,7 @@ def cmd_collect(args) -> int:
                 args.networks, store, out, target, measurer,
                 budget_s=60 * args.budget_minutes if args.budget_minutes else None,
                 max_per_kernel=args.max_per_kernel, records_per_donor=args.records_per_donor,
-                paper_donor_of=None if args.no_paper else PAPER_PAIRING,
+                paper_donor_of=None if args.no_paper else PAPER_PAIRING, layout=args.layout,
                 on_progress=None if args.quiet else lambda s, i: con.print(
                     f"  {s.network}: kernel {i + 1}/{s.kernels}, {s.measured} measured, "
                     f"{s.valid} valid, {s.wrong} wrong, {s.rejected} rejected")):
@@ -710,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--rpc-tracker what the devices report)")
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")
+    co.add_argument("--layout", choices=list(LAYOUTS), default="nchw",
+                    help="the networks' conv layout (nchwc: packed convs, measured with the "
+                         "packed donors' schedules)")
     co.add_argument("--quiet", action="store_true")
     _add_rpc_args(co)
     co.set_defaults(func=cmd_collect)

@@ -238,16 +238,18 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
 
 def collect_networks(networks: list[str], store: DonorStore, out_dir: str | Path, target, measurer,
                      budget_s: float | None = None, paper_donor_of: dict[str, str] | None = None,
-                     **kw) -> Iterator[tuple[str, CollectStats]]:
+                     layout: str = "nchw", **kw) -> Iterator[tuple[str, CollectStats]]:
     """:func:`collect` on each zoo network in turn, within one budget for all (None: no limit);
     yields (network, its stats) and stops early, before a network, once the budget is spent.
-    ``paper_donor_of``: network -> its paper baseline's donor network (:func:`collect`)."""
+    ``paper_donor_of``: network -> its paper baseline's donor network (:func:`collect`).
+    ``layout``: the networks' conv layout (packed convs take the packed donors' schedules)."""
     deadline = time.time() + budget_s if budget_s is not None else None
     for net in networks:
         left = deadline - time.time() if deadline is not None else None
         if left is not None and left <= 0:
             return
-        yield net, collect(net, zoo.load(f"zoo:{net}"), store, out_dir, target, measurer, budget_s=left,
+        model = zoo.load(f"zoo:{net}", layout=layout, target=target)
+        yield net, collect(net, model, store, out_dir, target, measurer, budget_s=left,
                            paper_donor=(paper_donor_of or {}).get(net), **kw)
 
 
