@@ -8,7 +8,9 @@ ranker). A run passes when the compiled model's outputs match onnxruntime (recom
 non-zero otherwise). Results are kept per network in bench/results/recommend_zoo.json, so the
 command resumes; a network is rerun when the donor networks available to it or the runtime's
 threads or the shipped ranker changed. Rows run with recommend's default, fast math; the networks whose
-epilogues call exp/erf also run with --exact-math (rows "NET --exact-math"), to show what it costs.
+epilogues call exp/erf also run with --exact-math (rows "NET --exact-math"), to show what it costs,
+and ``--nchwc-networks`` run again with packed convs (rows "NET --layout nchwc"; their conv
+schedules come from the packed donor sets, datasets/donors/NET@nchwc-*).
 Writes recommend_zoo.md beside it.
 """
 
@@ -83,6 +85,8 @@ def main() -> int:
     ap.add_argument("--force", action="store_true", help="rerun networks that already have a result")
     ap.add_argument("--exact-math-networks", nargs="*", default=list(EXACT_MATH_TOO),
                     help="also run these with --exact-math (their epilogues call exp/erf)")
+    ap.add_argument("--nchwc-networks", nargs="*", default=[],
+                    help="also run these with --layout nchwc (packed convs)")
     args = ap.parse_args()
 
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
@@ -92,6 +96,7 @@ def main() -> int:
     ranker = ranker_id()
     runs = [(net, ()) for net in args.networks]
     runs += [(net, ("--exact-math",)) for net in args.exact_math_networks if net in args.networks]
+    runs += [(net, ("--layout", "nchwc")) for net in args.nchwc_networks]
     for net, extra in runs:
         key = " ".join((net, *extra))
         donors = sorted(n for n in store_networks if n != net)
