@@ -13,6 +13,13 @@ def test_native_donors_count_as_the_network_they_were_tuned_in():
     assert donors.network_of(donors.native_dir("resnet18", "znver5")) == "resnet18"
     assert donors.network_of(donors.native_dir("mnasnet1_0", "emeraldrapids")) == "mnasnet1_0"
     assert donors.network_of("/somewhere/my-model") == "my-model"
+    assert donors.network_of(donors.native_dir("resnet18", "znver5", "nchwc")) == "resnet18"
+
+
+def test_a_packed_layout_plan_tunes_the_packed_convs(donor_dir, target):
+    plan = adapt.plan(["tiny_cnn"], target, donors.DonorStore.load([donor_dir]), layout="nchwc")
+    assert any("NCHWc" in p.workload_class for p in plan)
+    assert not any(p.workload_class.startswith("conv2d_nchw") for p in plan)
 
 
 def test_the_plan_puts_the_kernels_with_the_largest_share_of_the_zoo_first(donor_dir, target):

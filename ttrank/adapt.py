@@ -69,10 +69,13 @@ def time_shares(kernels: list[Kernel], known_s: dict[str, float]) -> dict[str, f
 
 
 def plan(networks: list[str], target, store: DonorStore,
-         kernels_of: Callable[[str], list[Kernel]] | None = None) -> list[PlannedKernel]:
-    """The tunable kernels of ``networks``, the largest summed time share first."""
-    kernels_of = kernels_of or (lambda net: [k for k in extract(zoo.load(f"zoo:{net}").mod, target)
-                                             if k.tunable])
+         kernels_of: Callable[[str], list[Kernel]] | None = None,
+         layout: str = "nchw") -> list[PlannedKernel]:
+    """The tunable kernels of ``networks`` (their convs in ``layout``), the largest summed time
+    share first."""
+    kernels_of = kernels_of or (lambda net: [
+        k for k in extract(zoo.load(f"zoo:{net}", layout=layout, target=target).mod, target)
+        if k.tunable])
     best: dict[tuple[str, str], float] = {}  # (network, workload) -> its donor run's best
     for w in store.workloads:
         if w.records:
@@ -96,8 +99,9 @@ def plan(networks: list[str], target, store: DonorStore,
     return sorted(out.values(), key=lambda p: -p.share)
 
 
-def state_path(target) -> Path:
-    return cache_dir() / "adapt" / f"{target_key(target).replace('/', '_')}.json"
+def state_path(target, layout: str = "nchw") -> Path:
+    name = target_key(target).replace("/", "_") + ("" if layout == "nchw" else f"@{layout}")
+    return cache_dir() / "adapt" / f"{name}.json"
 
 
 @dataclass
@@ -127,7 +131,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
           tune_share: float = 0.6, train_reserve: float = 0.1, max_per_kernel: int = 6,
           min_share: float = 0.01, retrain: bool = True, donor_dirs: list[Path] | None = None,
           measurement_dirs: list[Path] | None = None,
-          on_note: Callable[[str], None] | None = None) -> AdaptReport:
+          on_note: Callable[[str], None] | None = None, layout: str = "nchw") -> AdaptReport:
     """Spend ``budget_s`` on this CPU: native tuning (``tune_share`` of it), cross-measurements
     (the rest, less ``train_reserve`` kept for retraining), then retrain the ranker.
 
@@ -135,7 +139,8 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     trials and measured rows are kept, so a rerun spends its budget on what is left.
     ``donor_dirs`` (default: the store's) and ``measurement_dirs`` (default: the shipped tables
     and the user's) are what the plan weighs and the ranker learns from; this CPU's new rows
-    always go to the user's tables.
+    always go to the user's tables. ``layout``: the zoo networks' conv layout, for tuning and
+    measuring (nchwc: packed convs, for `recommend --layout nchwc`).
     """
     note = on_note or (lambda line: None)
     t0 = time.time()
@@ -145,23 +150,27 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         zoo.get(n)  # an unknown name is one clear error before any work
     mcpu = str(target.attrs.get("mcpu") or host_mcpu())
     rep = AdaptReport(mcpu, budget_s, provenance=provenance(target))
-    if (before := adapted(target)):
+
+    def load(net: str):
+        return zoo.load(f"zoo:{net}", layout=layout, target=target)
+
+    if (before := adapted(target, layout)):
         note(f"continuing the adaptation of {before.get('mcpu', mcpu)} ({before.get('runs', 0)} run(s) "
              f"finished so far, {before.get('tuned_kernels', 0)}/{len(before.get('plan') or [])} "
              "kernels tuned)")
-    with file_lock(state_path(target)):  # one adaptation of a CPU at a time
+    with file_lock(state_path(target, layout)):  # one adaptation of a CPU at a time
         store = DonorStore.load(donor_dirs)
-        previous = adapted(target) or {}
-        asked = {"networks": list(networks), "min_share": min_share}
+        previous = adapted(target, layout) or {}
+        asked = {"networks": list(networks), "min_share": min_share, "layout": layout}
         if previous.get("plan_for") == asked and previous.get("plan"):
             # a rerun continues the same plan: extracting 15 networks' kernels again costs minutes
             todo = [PlannedKernel(**p) for p in previous["plan"]]
         else:
-            todo = [p for p in plan(networks, target, store) if p.share >= min_share]
+            todo = [p for p in plan(networks, target, store, layout=layout) if p.share >= min_share]
             if not todo:
                 raise TTRankError(f"none of {', '.join(networks)} has a kernel to tune")
             # kept before any work, so that a run killed while tuning resumes this plan
-            atomic_write_json(state_path(target), {**previous, "mcpu": mcpu, "plan_for": asked,
+            atomic_write_json(state_path(target, layout), {**previous, "mcpu": mcpu, "plan_for": asked,
                                                    "plan": [asdict(p) for p in todo]})
         rep.planned = len(todo)
         note(f"{len(todo)} kernels carry at least {min_share:.0%} of a zoo network's time on "
@@ -176,8 +185,9 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
             left = tune_end - time.time()
             if left < 30:
                 break
-            run = tune(zoo.load(f"zoo:{net}").mod, native_dir(net, mcpu), trials_per_task=trials,
-                       budget_minutes=left / 60, target=target, model_name=net, only=tasks)
+            run = tune(load(net).mod, native_dir(net, mcpu, layout), trials_per_task=trials,
+                       budget_minutes=left / 60, target=target, model_name=net, only=tasks,
+                       layout=layout)
             done = sum(tp.done for tp in run.tasks)
             rep.tuned_trials += done
             rep.tuned_kernels += sum(tp.done >= tp.target_trials for tp in run.tasks)
@@ -189,7 +199,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         t1 = time.time()
         collect_end = deadline - train_reserve * budget_s
         out = cache_dir() / "data" / "measurements"
-        native = [d for d in (native_dir(n, mcpu) for n in networks) if d.exists()]
+        native = [d for d in (native_dir(n, mcpu, layout) for n in networks) if d.exists()]
         store = DonorStore.load(None if donor_dirs is None else [*donor_dirs, *native])  # + native
         measurer = Measurer(target)
         try:
@@ -197,7 +207,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
                 left = (collect_end - time.time()) / (len(networks) - i)
                 if left < 20:
                     continue
-                st = collect(net, zoo.load(f"zoo:{net}"), store, out, target, measurer,
+                st = collect(net, load(net), store, out, target, measurer,
                              max_per_kernel=max_per_kernel, budget_s=left)
                 rep.collected += st.measured
                 note(f"{net}: {st.measured} candidates measured ({st.valid} valid)")
@@ -219,14 +229,15 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
                  f"in {rep.train_seconds:.0f} s: {rep.ranker}")
         rep.seconds = round(time.time() - t0, 1)
         rep.complete = rep.tuned_kernels >= rep.planned
-        atomic_write_json(state_path(target), {**rep.to_json(), "runs": previous.get("runs", 0) + 1,
+        atomic_write_json(state_path(target, layout), {**rep.to_json(), "runs": previous.get("runs", 0) + 1,
                                                "plan_for": asked, "plan": [asdict(p) for p in todo]})
     return rep
 
 
-def adapted(target) -> dict | None:
-    """The last adaptation's report for ``target``'s CPU, or None (never adapted, or unreadable)."""
+def adapted(target, layout: str = "nchw") -> dict | None:
+    """The last adaptation's report for ``target``'s CPU (and conv layout), or None (never
+    adapted, or unreadable)."""
     try:
-        return json.loads(state_path(target).read_text())
+        return json.loads(state_path(target, layout).read_text())
     except (OSError, ValueError):
         return None

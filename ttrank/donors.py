@@ -302,10 +302,11 @@ NATIVE_PREFIX = "native-"
 SET_SEPARATOR = "@"
 
 
-def native_dir(network: str, mcpu: str) -> Path:
+def native_dir(network: str, mcpu: str, layout: str = "nchw") -> Path:
     """Where ``ttrank adapt`` tunes ``network``'s kernels natively on CPU ``mcpu`` (a donor
-    work_dir of the user's store)."""
-    return user_donor_dir() / f"{NATIVE_PREFIX}{mcpu}-{network}"
+    work_dir of the user's store; one per conv layout)."""
+    name = f"{NATIVE_PREFIX}{mcpu}-{network}"
+    return user_donor_dir() / (name if layout == "nchw" else f"{name}{SET_SEPARATOR}{layout}")
 
 
 def tuned_here_dir(model: str, layout: str = "nchw") -> Path:
