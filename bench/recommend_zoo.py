@@ -51,18 +51,26 @@ def summarize(net: str, report: dict, wall: float, donors: list[str], paused: in
     }
 
 
+def _phases(s: dict) -> str:
+    """recommend's own split of its time (ranking, building and running candidates, tuning what
+    no donor covers, compiling)."""
+    keys = ("ranking", "measuring_build", "measuring_run", "tuning_missing", "compiling")
+    return " / ".join("-" if s.get(k) is None else f"{s[k]:.0f}" for k in keys)
+
+
 def write_table(results: dict) -> None:
     lines = ["# `ttrank recommend` on the zoo, leave-one-out", "",
              "Each row: `ttrank recommend zoo:NET --leave-one-out` with a fresh data dir; outputs checked "
              "against onnxruntime. Latencies are whole-model, measured by the run itself.", "",
              "| network | donor networks | kernels tuned | untuned ms | ttrank ms | speedup | onnxruntime ms "
-             "| ttrank / ORT | max abs error | recommend s | paused | threads |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ttrank / ORT | max abs error | recommend s | rank / build / run / tune / compile s "
+             "| paused | threads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for net in sorted(results):
         r = results[net]
         if "error" in r:
             lines.append(f"| {net} | {len(r.get('donor_networks', []))} | failed: {r['error'][:80]} |"
-                         + " |" * 9)
+                         + " |" * 10)
             continue
         lat = r["model_latency_ms"]
         ort = r["latency_vs_onnxruntime"]
@@ -70,7 +78,8 @@ def write_table(results: dict) -> None:
                      f"{lat['untuned']:.1f} | {lat['tuned']:.2f} | {r['speedup_vs_untuned']:.1f}x | "
                      f"{lat.get('onnxruntime') or float('nan'):.2f} | "
                      f"{'-' if ort is None else f'{ort:.2f}'} | {r['max_abs_error_vs_onnxruntime']:.1e} | "
-                     f"{r['recommend_seconds']:.0f} | {'yes' if r['background_paused'] else 'no'} | "
+                     f"{r['recommend_seconds']:.0f} | {_phases(r.get('search_seconds') or {})} | "
+                     f"{'yes' if r['background_paused'] else 'no'} | "
                      f"{(r.get('provenance') or {}).get('threads', 1)} |")
     lines += ["", "paused: whether background tuning was paused during the run (2 cores; an unpaused run "
               "shares them, so its latencies and wall time are noisier)."]
