@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ttrank import donors, kernels, zoo
+from ttrank import coverage, donors, kernels, zoo
 from ttrank.cli import main
 from ttrank.target import make_target
 from ttrank.workdir import read_manifest
@@ -12,7 +12,7 @@ from ttrank.workdir import read_manifest
 
 def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path, capsys):
     # donors tuned in the packed layout: only its packed convs, a few trials each
-    packed_donors = tmp_path / "tiny_cnn-nchwc"
+    packed_donors = tmp_path / "tiny_cnn@nchwc"  # a donor set of network tiny_cnn
     assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(packed_donors),
                  "--trials-per-task", "6", "--only", "NCHWc", "--no-progress"]) == 0
     assert read_manifest(packed_donors)["layout"] == "nchwc"
@@ -43,3 +43,22 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path,
     # the same model as exported has no packed kernel: NCHW and packed schedules never mix
     plain = kernels.extract(zoo.load(str(tiny_cnn)).mod, make_target())
     assert not any("NCHWc" in k.anchor_op for k in plain)
+
+
+def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_path, target):
+    def load(layout):
+        return zoo.load(str(tiny_cnn), layout=layout)
+
+    # NCHW donors only: the model stays as exported
+    model, why = coverage.choose_layout(load, donors.DonorStore.load([donor_dir]), target)
+    assert model.layout == "nchw" and why == "no packed-conv donors in the store"
+    # packed donors for its convs (a few trials of the model's own packed convs)
+    packed = tmp_path / "tiny_cnn@nchwc"
+    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(packed),
+                 "--trials-per-task", "2", "--only", "NCHWc", "--no-progress"]) == 0
+    store = donors.DonorStore.load([donor_dir, packed])
+    model, why = coverage.choose_layout(load, store, target)
+    assert model.layout == "nchwc" and why.startswith("packed donors cover all")
+    # leaving the network out leaves its packed set out too
+    model, _ = coverage.choose_layout(load, store, target, exclude_networks={"tiny_cnn"})
+    assert model.layout == "nchw"

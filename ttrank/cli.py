@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from . import adapt, collect, donors, frontend, kernels, locations, pipeline, runtime, training, tune, util, zoo
-from .coverage import coverage
+from .coverage import choose_layout, coverage
 from .errors import BusyError, CheckError, OutputError, TTRankError
 from .evaluate import KEYS, PAPER_PAIRING
 from .frontend import onnx_complaint
@@ -49,7 +49,7 @@ def _setup_logging(verbose: int) -> None:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False) -> None:
     p.add_argument("model", help="ONNX file, or zoo:NAME for a zoo network")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
                    help="bind an input's dims (repeatable), e.g. input:1,3,224,224")
@@ -64,22 +64,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                            "faster swish, sigmoid, GELU and softmax)")
     # the default since fast math became it; kept so that earlier commands still run
     math.add_argument("--fast-math", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--layout", choices=list(LAYOUTS), default="nchw",
+    p.add_argument("--layout", choices=list(LAYOUTS) + (["auto"] if auto_layout else []),
+                   default="nchw",
                    help="the convolutions' activation layout: nchw (as exported), nchwc (packed "
                         "convs blocked by the target's vector width, as onnxruntime's CPU "
                         "kernels) or nhwc; the model's inputs and outputs keep theirs. Schedules "
-                        "transfer only between kernels of the same layout")
+                        "transfer only between kernels of the same layout"
+                        + ("; auto: nchwc when the donor store has packed schedules for every "
+                           "packed conv of the model, else nchw" if auto_layout else ""))
 
 
-def load_model_arg(args, target=None):
+def load_model_arg(args, target=None, layout: str | None = None):
     """Load ``args.model``: ``path.onnx`` or ``zoo:NAME`` (built on demand and cached), with
-    the command's input shapes, math and layout (blocked for ``target``).
+    the command's input shapes, math and layout (``layout`` if given; blocked for ``target``).
 
     Keeps the model in ``args``: if TVM fails on it later, and the file is not valid ONNX,
     that is the user's to fix, not a ttrank bug.
     """
     model = zoo.load(args.model, frontend.parse_input_shapes(args.input_shape),
-                     fast_math=not args.exact_math, layout=args.layout, target=target)
+                     fast_math=not args.exact_math, layout=layout or args.layout, target=target)
     args.loaded_model = model
     if model.simplified_because:  # the importer's own complaint went to the native log (-v)
         say(f"note: simplified the graph with onnxslim before import: {model.simplified_because}")
@@ -399,10 +402,16 @@ def cmd_recommend(args) -> int:
     con = _console()
     runner = _runner_spec(args)  # a tracker that is down says so before any work
     target = _make_target(args, runner)
-    model = load_model_arg(args, target)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
     store = donors.DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
+    if args.layout == "auto":
+        excluded = set(args.exclude_network or []) | ({zoo.name_of(args.model)} if args.leave_one_out else set())
+        model, why = choose_layout(lambda layout: load_model_arg(args, target, layout), store, target,
+                                   excluded)
+        con.print(f"layout: {model.layout} ({why})")
+    else:
+        model = load_model_arg(args, target)
     output = args.output or f"{model.name}.so"
     _check_output_space(model, Path(output), Path(args.database or output).resolve().parent)
     busy = machine_busy()
@@ -631,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_donors)
 
     r = sub.add_parser("recommend", help="transfer-tune a model: rank, measure top-k, compile, check")
-    _add_model_args(r)
+    _add_model_args(r, auto_layout=True)
     r.add_argument("-o", "--output", help="compiled library (default: MODEL.so)")
     r.add_argument("--top-k", type=int, default=None,
                    help="the most candidates measured per kernel (default: chosen by the ranker's "

@@ -3,10 +3,13 @@ left without one goes (what ``recommend`` then tunes itself)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .donors import DonorStore
-from .kernels import Kernel
+from .frontend import LoadedModel
+from .kernels import Kernel, extract
+from .layouts import PACKED_CONV
 
 
 @dataclass
@@ -50,6 +53,29 @@ class TuningPlan:
     share: float  # of the model's estimated time once the chosen schedules are in
     seconds: float
     trials: int
+
+
+def choose_layout(load: Callable[[str], LoadedModel], store: DonorStore, target,
+                  exclude_networks: set[str] | frozenset = frozenset()) -> tuple[LoadedModel, str]:
+    """``--layout auto``: the model with packed convs (nchwc) when the store has packed schedules
+    for every packed conv it then has, else as imported (nchw); and why, in a few words.
+
+    Packed convs are other kernels than NCHW ones: a packed conv no donor covers would be left
+    at TVM's default schedule (or tuned from scratch), where NCHW donors cover it as imported.
+    ``load(layout)`` loads the model in a layout.
+    """
+    packed_donors = [w for w in store.workloads
+                     if PACKED_CONV in w.kernel.anchor_op and w.network not in exclude_networks]
+    if not packed_donors:
+        return load("nchw"), "no packed-conv donors in the store"
+    model = load("nchwc")
+    packed = [k for k in extract(model.mod, target) if PACKED_CONV in k.anchor_op]
+    if not packed:
+        return load("nchw"), "no conv to pack"
+    bare = [k.name for k in packed if not store.compatible(k, set(exclude_networks))]
+    if bare:
+        return load("nchw"), f"no packed donor for {len(bare)} of its {len(packed)} packed convs"
+    return model, f"packed donors cover all {len(packed)} packed convs"
 
 
 def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered: set[str],

@@ -913,6 +913,13 @@ def cached(name: str) -> Path:
     return path
 
 
+def name_of(spec) -> str:
+    """The name a model goes by (its measurement table, leave-one-out): NAME for ``zoo:NAME``,
+    else the file's stem, as :attr:`LoadedModel.name` will read it."""
+    spec = str(spec)
+    return spec[4:] if spec.startswith("zoo:") else Path(spec).stem
+
+
 def load(path, input_shapes=None, fast_math: bool = True, layout: str = "nchw", target=None):
     """Load an ONNX model, or ``"zoo:NAME"`` for a zoo network (``input_shapes``:
     {name: [dims]} for dynamic inputs; ``fast_math``: :func:`ttrank.frontend.with_fast_math`,
