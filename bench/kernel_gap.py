@@ -33,13 +33,15 @@ killed run keeps what it finished and a rerun continues (finished cells are skip
 The real run (idle machine, nothing else on the cores; about 5 hours at 1,024 trials per
 cell, 23 kernel cells and 4 network cells; ``--budget-minutes`` caps it, a rerun continues):
 
-    PYTHONPATH=. python bench/kernel_gap.py --max-trials 1024 --budget-minutes 330 \\
-        --out bench/results/kernel_gap.json
+    python bench/kernel_gap.py --max-trials 1024 --budget-minutes 330
+
+Results are per CPU: ``bench/results/kernel_gap_<mcpu>.json`` and ``.md`` (tuning work dirs
+in ``bench/work/kernel_gap/<mcpu>``); a results file of another CPU is never extended.
 
 A smoke run (a minute or two per cell on an idle machine; 8 to 13 minutes per cell were seen on
 one core shared with other jobs):
 
-    PYTHONPATH=. python bench/kernel_gap.py --kernels conv3x3 --levers depth,nchwc \\
+    python bench/kernel_gap.py --kernels conv3x3 --levers depth,nchwc \\
         --max-trials 32 --out /tmp/kg/kernel_gap.json
 """
 
@@ -66,7 +68,8 @@ from ttrank import frontend, kernels, layouts, runtime, zoo
 from ttrank.bench import results_dir
 from ttrank.frontend import LoadedModel
 from ttrank.measure import Measurer, RunnerSpec
-from ttrank.target import host_cores, machine_busy, make_target, provenance, runtime_threads, use_host_threads
+from ttrank.target import (host_cores, host_mcpu, machine_busy, make_target, provenance, runtime_threads,
+                           use_host_threads)
 from ttrank.tune import count_trials, tune
 from ttrank.util import atomic_write_json, atomic_write_text, read_jsonl
 from ttrank.zoo import GraphBuilder
@@ -519,7 +522,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gap-trials", type=int, default=64, help="trials per kernel, gap levers")
     ap.add_argument("--per-batch", type=int, default=64, help="candidates per MetaSchedule batch")
     ap.add_argument("--budget-minutes", type=float, default=None, help="stop starting work after this")
-    ap.add_argument("--out", default="bench/results/kernel_gap.json")
+    ap.add_argument("--out", default=None, help="default: bench/results/kernel_gap_<mcpu>.json")
     ap.add_argument("--work", default=None, help="tuning work dirs (default: bench/work/kernel_gap "
                     "for an --out in bench/results, else kernel_gap_work beside --out)")
     ap.add_argument("--seed", type=int, default=0)
@@ -529,16 +532,20 @@ def main(argv=None) -> int:
 
 
     use_host_threads()
-    out = Path(args.out)
+    mcpu = host_mcpu()
+    out = Path(args.out or results_dir() / f"kernel_gap_{mcpu}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if not args.work:  # the tuning databases stay out of bench/results (bench/work is ignored)
         in_results = out.parent.resolve() == results_dir().resolve()
-        args.work = str(results_dir().parent / "work" / "kernel_gap" if in_results
+        args.work = str(results_dir().parent / "work" / "kernel_gap" / mcpu if in_results
                         else out.parent / "kernel_gap_work")
     started = time.time()
     deadline = started + args.budget_minutes * 60 if args.budget_minutes else float("inf")
     target = make_target()
     res = load_results(out)
+    measured_on = (res.get("provenance") or {}).get("mcpu")
+    if measured_on not in (None, mcpu):  # its cells and onnxruntime's times are another CPU's
+        ap.error(f"{out} holds results measured on {measured_on}; this is {mcpu}: another --out")
     res["provenance"] = provenance(target)
     res["command"] = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
     busy = machine_busy()
