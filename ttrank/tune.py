@@ -184,7 +184,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
 
     started = time.time()
     work_dir = Path(work_dir)
-    earlier = read_manifest(work_dir).get("layout", "nchw")
+    earlier = read_manifest(work_dir)
+    earlier = earlier.get("layout", "nchw") if earlier else layout  # runs before layouts: NCHW
     if earlier != layout:  # its kernels are other kernels: resuming would mix two searches
         raise TTRankError(f"{work_dir} holds a {earlier} tuning run; tune the {layout} layout "
                           "into another folder")
