@@ -10,10 +10,12 @@ import subprocess
 import sys
 import time
 
-from ttrank import donors, frontend, kernels, measure, transfer
+import pytest
+
+from ttrank import donors, frontend, kernels, measure, transfer, util, zoo
 from ttrank.cli import main
 from ttrank.target import make_target
-from ttrank.tune import count_trials
+from ttrank.tune import count_trials, tune
 
 from conftest import DONOR_KERNELS
 
@@ -88,6 +90,21 @@ def test_ctrl_c_says_interrupted_and_resumes(tmp_path):
     assert "interrupted; finished work is kept" in err and "internal error" not in err
     assert subprocess.call(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
     assert json.loads((out / "tune_manifest.json").read_text())["complete"]
+
+
+def test_a_ctrl_c_that_native_code_swallowed_still_stops_the_next_task(tmp_path):
+    """TVM turns a KeyboardInterrupt raised inside a native call into an error that MetaSchedule
+    may swallow (a failed candidate): the request itself is kept, and tune stops before the
+    next task."""
+    try:
+        with pytest.raises(KeyboardInterrupt):  # outside a safe section: raised as usual
+            util.on_sigint(signal.SIGINT, None)
+        assert util.STOP_REQUESTED.is_set()  # ... and recorded
+        with pytest.raises(KeyboardInterrupt):
+            tune(zoo.load("zoo:tiny_cnn").mod, tmp_path / "stopped", trials_per_task=2)
+        assert count_trials(tmp_path / "stopped") == {}
+    finally:
+        util.STOP_REQUESTED.clear()
 
 
 def test_store_skips_bad_lines_and_other_targets(donor_dir, tmp_path):

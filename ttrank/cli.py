@@ -761,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         with _native_stderr_captured(not args.verbose) as native:
             return _run(args, native, interrupted)
     finally:
+        util.STOP_REQUESTED.clear()  # nor does it outlive it (a library call may follow)
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
 
