@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .donors import DonorStore
+from .errors import ModelLoadError
 from .frontend import LoadedModel
 from .kernels import Kernel, extract
 from .layouts import PACKED_CONV
@@ -68,7 +69,10 @@ def choose_layout(load: Callable[[str], LoadedModel], store: DonorStore, target,
                      if PACKED_CONV in w.kernel.anchor_op and w.network not in exclude_networks]
     if not packed_donors:
         return load("nchw"), "no packed-conv donors in the store"
-    model = load("nchwc")
+    try:
+        model = load("nchwc")
+    except ModelLoadError as e:  # the packing pass cannot rewrite this graph: as exported
+        return load("nchw"), f"its convs cannot be packed ({e})"
     packed = [k for k in extract(model.mod, target) if PACKED_CONV in k.anchor_op]
     if not packed:
         return load("nchw"), "no conv to pack"

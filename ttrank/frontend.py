@@ -428,7 +428,11 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     mod = clean_up(mod)  # batch norms folded, 2x2-stride-2 transposed convs as convs
     if fast_math:
         mod = with_fast_math(mod)
-    mod = apply_layout(mod, layout, target)
+    try:
+        mod = apply_layout(mod, layout, target)
+    except Exception as e:  # noqa: BLE001 - a graph the layout pass cannot rewrite is this model's
+        raise ModelLoadError(f"{path}: cannot put its convolutions in the {layout} layout "
+                             f"({_short(e)}); --layout nchw keeps them as exported") from None
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
     return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because, layout)
 
