@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from ttrank import coverage, donors, kernels, zoo
+import pytest
+
+from ttrank import coverage, donors, kernels, layouts, zoo
+from ttrank.errors import ModelLoadError
 from ttrank.cli import main
 from ttrank.target import make_target
 from ttrank.workdir import read_manifest
@@ -45,7 +48,7 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path,
     assert not any("NCHWc" in k.anchor_op for k in plain)
 
 
-def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_path, target):
+def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_path, target, monkeypatch):
     def load(layout):
         return zoo.load(str(tiny_cnn), layout=layout)
 
@@ -62,3 +65,13 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_p
     # leaving the network out leaves its packed set out too
     model, _ = coverage.choose_layout(load, store, target, exclude_networks={"tiny_cnn"})
     assert model.layout == "nchw"
+
+    # a graph the packing pass cannot rewrite: one clear error when asked for, NCHW with auto
+    def cannot(mod, target=None):
+        raise RuntimeError("unsupported conv")
+
+    monkeypatch.setitem(layouts.LAYOUTS, "nchwc", cannot)
+    with pytest.raises(ModelLoadError, match="cannot put its convolutions in the nchwc layout"):
+        load("nchwc")
+    model, why = coverage.choose_layout(load, store, target)
+    assert model.layout == "nchw" and why.startswith("its convs cannot be packed")
