@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ttrank import coverage, donors, kernels, layouts, zoo
-from ttrank.errors import ModelLoadError
 from ttrank.cli import main
+from ttrank.errors import ModelLoadError
 from ttrank.target import make_target
 from ttrank.workdir import read_manifest
 
