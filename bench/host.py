@@ -2,6 +2,7 @@
 shipped data only and after `ttrank adapt`, in one resumable run.
 
     python bench/host.py [--adapt-minutes 60] [--networks NET ...] [--budget-minutes M] [--force]
+                         [--layout nchwc|auto]
 
 1. **shipped**: `ttrank recommend zoo:NET --leave-one-out` per network, with a user cache that
    holds nothing of this machine (no native donors, no adapted ranker): what a new user gets.
@@ -13,6 +14,10 @@ shipped data only and after `ttrank adapt`, in one resumable run.
 Each recommend times its compiled model in alternation with onnxruntime (its own
 ``model_latency_ms``). Results go to bench/results/host.json after every step; a rerun skips what
 is done for this CPU. The caches live under bench/work/host/<mcpu>/.
+
+``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
+``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
+``adapted@L`` and ``adaptation@L``, with caches of their own.
 """
 
 from __future__ import annotations
@@ -63,14 +68,15 @@ def user_cache(path: Path):
             os.environ["TTRANK_CACHE"] = before
 
 
-def one(net: str) -> dict:
+def one(net: str, layout: str = "nchw") -> dict:
     with tempfile.TemporaryDirectory(prefix="ttrank-host-") as tmp:
-        report, wall, _, cmd = run_recommend(net, Path(tmp))
+        report, wall, _, cmd = run_recommend(net, Path(tmp), extra=("--layout", layout))
     lat = report["model_latency_ms"]
     return {"ttrank_ms": lat["tuned"], "onnxruntime_ms": lat.get("onnxruntime"),
             "ort_ratio": lat["tuned"] / lat["onnxruntime"] if lat.get("onnxruntime") else None,
             "recommend_seconds": round(wall, 1), "phases_seconds": report.get("search_seconds"),
             "fast_math": (report.get("provenance") or {}).get("fast_math"), "ranker": ranker_id(),
+            "layout": (report.get("provenance") or {}).get("layout"),
             "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
             "command": " ".join(cmd[:4]) + " ...", "provenance": provenance()}
 
@@ -88,18 +94,21 @@ def main() -> int:
     ap.add_argument("--adapt-minutes", type=float, default=60.0)
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no step after this")
     ap.add_argument("--force", action="store_true", help="redo this CPU's steps")
+    ap.add_argument("--layout", choices=["nchw", "nchwc", "auto"], default="nchw")
     args = ap.parse_args()
+    tag = "" if args.layout == "nchw" else f"@{args.layout}"
+    shipped, adapted_phase, adaptation = f"shipped{tag}", f"adapted{tag}", f"adaptation{tag}"
 
     mcpu = host_mcpu()
     work = Path(__file__).resolve().parent / "work" / "host" / mcpu
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
     res = old if old.get("cpu") == mcpu and not args.force else {"cpu": mcpu}
-    res.setdefault("shipped", {"networks": {}})
-    res.setdefault("adapted", {"networks": {}})
+    res.setdefault(shipped, {"networks": {}})
+    res.setdefault(adapted_phase, {"networks": {}})
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
 
     def save() -> None:
-        for phase in ("shipped", "adapted"):
+        for phase in (shipped, adapted_phase):
             res[phase].update(summary(res[phase]))
         res["provenance"] = provenance()
         atomic_write_json(OUT, res)
@@ -113,37 +122,38 @@ def main() -> int:
                     return False
                 print(f"{phase}: {net}", flush=True)
                 try:
-                    res[phase]["networks"][net] = one(net)
+                    res[phase]["networks"][net] = one(net, args.layout)
                 except RuntimeError as e:  # recommend failed: say so in the table, go on
                     res[phase]["networks"][net] = {"ort_ratio": None, "error": str(e)[-1500:]}
                 save()
         return True
 
-    if not run_phase("shipped", work / "shipped-cache"):
+    if not run_phase(shipped, work / f"shipped-cache{tag}"):
         print("budget spent; rerun to continue")
         return 0
-    adapted_cache = work / "adapted-cache"
-    if "adaptation_seconds" not in res:  # one adapt run of the given budget is the step measured
+    adapted_cache = work / f"adapted-cache{tag}"
+    if f"{adaptation}_seconds" not in res:  # one adapt run of the given budget is the step measured
         if deadline and time.time() > deadline:
             print("budget spent; rerun to continue")
             return 0
         with user_cache(adapted_cache):
             t0 = time.time()
-            cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes)]
+            cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes),
+                   "--layout", "nchw" if args.layout == "nchw" else "nchwc"]
             proc = subprocess.run(cmd, text=True, capture_output=True)
             print(proc.stdout[-3000:])
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
-            res["adaptation_seconds"] = round(time.time() - t0, 1)
-            res["adaptation"] = adapted(make_target())
-        res["adaptation_command"] = " ".join(cmd)
+            res[f"{adaptation}_seconds"] = round(time.time() - t0, 1)
+            res[adaptation] = adapted(make_target(), cmd[-1])
+        res[f"{adaptation}_command"] = " ".join(cmd)
         save()
-    if not run_phase("adapted", adapted_cache):
+    if not run_phase(adapted_phase, adapted_cache):
         print("budget spent; rerun to continue")
         return 0
     save()
-    for phase in ("shipped", "adapted"):
+    for phase in (shipped, adapted_phase):
         print(phase, {k: v for k, v in res[phase].items() if k != "networks"})
     return 0
 
