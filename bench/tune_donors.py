@@ -35,6 +35,8 @@ def main() -> int:
     ap.add_argument("names", nargs="*", default=ORDER)
     ap.add_argument("--budget-minutes", type=float, required=True)
     ap.add_argument("--trials-per-task", type=int, default=64)
+    ap.add_argument("--small-trials", type=int, default=64,
+                    help="at most this many for kernels under 0.1%% of a network's FLOPs")
     ap.add_argument("--out", default=None, help="default: datasets/donors of the data home")
     ap.add_argument("--layout", choices=list(LAYOUTS), default="nchw")
     ap.add_argument("--threads", type=int, default=1,
@@ -58,7 +60,8 @@ def main() -> int:
             break
         cmd = ["ttrank", "tune", f"zoo:{name}", "--out", str(work), "--name", name,
                "--trials-per-task", str(args.trials_per_task), "--budget-minutes", f"{left:.1f}",
-               "--no-progress", "--measure-model", "--layout", args.layout]
+               "--no-progress", "--measure-model", "--layout", args.layout,
+               "--small-trials", str(args.small_trials)]
         print(" ".join(cmd), flush=True)
         # The first nine donors were tuned with TVM's default of one runtime thread on this
         # 2-core host (TVM halves the CPU count to skip hyper-threads); the rest of the dataset

@@ -235,7 +235,8 @@ def cmd_tune(args) -> int:
                          budget_minutes=args.budget_minutes, target=target, model_name=name,
                          injective_trials=args.injective_trials, seed=args.seed,
                          on_progress=on_progress, only=args.only,
-                         runner=runner if runner.kind == "rpc" else None, layout=model.layout)
+                         runner=runner if runner.kind == "rpc" else None, layout=model.layout,
+                         small_trials=args.small_trials)
     complete = prog.trials_done >= prog.trials_total
     cannot = runtime.host_cannot_time(target, remote=runner.kind == "rpc") if args.measure_model else None
     if cannot:
@@ -618,6 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials-per-task", type=int, default=64)
     t.add_argument("--injective-trials", type=int, default=None,
                    help="trials for kernels that do no arithmetic (default: trials/8, at least 4)")
+    t.add_argument("--small-trials", type=int, default=None, metavar="N",
+                   help="at most N trials for a kernel under 0.1%% of the model's FLOPs (a pool, "
+                        "the classifier; default: --trials-per-task)")
     t.add_argument("--budget-minutes", type=float, default=None)
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--name", help="model name recorded in the manifest")

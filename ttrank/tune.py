@@ -34,6 +34,8 @@ from .workdir import (FAILED_SECS, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, open
                       trials, write_manifest)
 
 log = logging.getLogger("ttrank")
+# A kernel under this share of the model's FLOPs x weight is "small" (see ``tune(small_trials=)``)
+SMALL_SHARE = 0.001
 
 
 
@@ -166,7 +168,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
          on_progress: Callable[[TuneProgress], None] | None = None,
          build_timeout_sec: float = 60.0, runner=None,
          only: list[str] | None = None, prepare: Callable | None = None,
-         layout: str = "nchw") -> TuneProgress:
+         layout: str = "nchw", small_trials: int | None = None) -> TuneProgress:
     """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
 
     Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
@@ -178,7 +180,9 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     ``prepare``: a function applied to the fused module before task extraction (for example
     ``relax.transform.AttachAttrLayoutFreeBuffers()``, which lets MetaSchedule's RewriteLayout
     pre-pack the weights). ``layout``: the convs' layout ``mod`` was loaded with
-    (:func:`ttrank.frontend.load`), recorded in the manifest.
+    (:func:`ttrank.frontend.load`), recorded in the manifest. ``small_trials``: the most a kernel
+    under :data:`SMALL_SHARE` of the model's FLOPs gets (a max-pool, a global mean, the
+    classifier's matmul), which a deep donor set would otherwise search as long as a conv.
     """
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when tuning
 
@@ -210,6 +214,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     kernels = [describe(t.dispatched[0], t.task_name, t.weight) for t in extracted]
     order = sorted(range(len(extracted)), key=lambda i: -kernels[i].flops * kernels[i].weight)
 
+    total_flops = sum(k.flops * k.weight for k in kernels)
     done = count_trials(work_dir)
     progress = TuneProgress(budget_s=budget_minutes * 60 if budget_minutes else None)
     prior_search = max((d["search_s"] for d in done.values()), default=0.0)
@@ -217,6 +222,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     for i in order:
         k = kernels[i]
         want = trials_per_task if k.flops > 0 else injective_trials
+        if small_trials is not None and 0 < k.flops * k.weight < SMALL_SHARE * total_flops:
+            want = min(want, small_trials)
         d = done.get(k.name, {})
         # a finished task is re-opened when more trials are asked for, unless its search space
         # ran out before the target it had then (logs before the target was recorded: the manifest)
@@ -235,7 +242,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
         machine = runner.provenance(target)
         runner = made = runner.create()
     manifest = functools.partial(_write_manifest, work_dir, model_name, target, trials_per_task,
-                                 injective_trials, kernels, layout=layout, machine=machine)
+                                 injective_trials, kernels, layout=layout, machine=machine,
+                                 small_trials=small_trials)
     manifest(progress, prior_search)
     t0 = time.time()
 
@@ -363,7 +371,8 @@ def metaschedule_logging():
 
 def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: int,
                     injective_trials: int, kernels, progress: TuneProgress,
-                    prior_search: float, machine: dict | None = None, layout: str = "nchw") -> None:
+                    prior_search: float, machine: dict | None = None, layout: str = "nchw",
+                    small_trials: int | None = None) -> None:
     old = read_manifest(work_dir)
     prov = machine or provenance(target)  # machine: the RPC devices' own report
     earlier_cpus = old.get("cpus") or [(old.get("provenance") or {}).get("mcpu")]
@@ -372,6 +381,7 @@ def _write_manifest(work_dir: Path, model_name: str, target, trials_per_task: in
         "layout": layout,
         "trials_per_task": trials_per_task,
         "injective_trials": injective_trials,
+        "small_trials": small_trials,
         # what the first run asked for: how older logs without per-task targets are read
         "first_trials_per_task": old.get("first_trials_per_task", old.get("trials_per_task", trials_per_task)),
         "first_injective_trials": old.get("first_injective_trials",
