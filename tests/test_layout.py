@@ -49,21 +49,22 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path,
 
 
 def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_path, target, monkeypatch):
-    def load(layout):
-        return zoo.load(str(tiny_cnn), layout=layout)
+    as_imported = zoo.load(str(tiny_cnn))
 
     # NCHW donors only: the model stays as exported
-    model, why = coverage.choose_layout(load, donors.DonorStore.load([donor_dir]), target)
+    model, why = coverage.choose_layout(as_imported, donors.DonorStore.load([donor_dir]), target)
     assert model.layout == "nchw" and why == "no packed-conv donors in the store"
     # packed donors for its convs (a few trials of the model's own packed convs)
     packed = tmp_path / "tiny_cnn@nchwc"
     assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(packed),
                  "--trials-per-task", "2", "--only", "NCHWc", "--no-progress"]) == 0
     store = donors.DonorStore.load([donor_dir, packed])
-    model, why = coverage.choose_layout(load, store, target)
+    model, why = coverage.choose_layout(as_imported, store, target)
     assert model.layout == "nchwc" and why.startswith("packed donors cover all")
+    # packed from the one import, and its kernels extracted once (recommend reuses them)
+    assert model.onnx_model is as_imported.onnx_model and model.kernel_cache
     # leaving the network out leaves its packed set out too
-    model, _ = coverage.choose_layout(load, store, target, exclude_networks={"tiny_cnn"})
+    model, _ = coverage.choose_layout(as_imported, store, target, exclude_networks={"tiny_cnn"})
     assert model.layout == "nchw"
 
     # a graph the packing pass cannot rewrite: one clear error when asked for, NCHW with auto
@@ -72,6 +73,6 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_p
 
     monkeypatch.setitem(layouts.LAYOUTS, "nchwc", cannot)
     with pytest.raises(ModelLoadError, match="cannot put its convolutions in the nchwc layout"):
-        load("nchwc")
-    model, why = coverage.choose_layout(load, store, target)
+        zoo.load(str(tiny_cnn), layout="nchwc")
+    model, why = coverage.choose_layout(as_imported, store, target)
     assert model.layout == "nchw" and why.startswith("its convs cannot be packed")

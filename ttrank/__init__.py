@@ -16,7 +16,7 @@ from .pipeline import recommend as _recommend  # noqa: E402
 from .ranker import Ranker  # noqa: E402
 from .ranking import Candidate, SecondStage, rank_kernel, rerank  # noqa: E402
 from .target import make_target, target_cpu  # noqa: E402
-from .zoo import load, name_of  # noqa: E402
+from .zoo import load  # noqa: E402
 
 __all__ = ["Candidate", "KernelReport", "Result", "TTRankError", "load", "rank", "recommend"]
 
@@ -64,24 +64,21 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
 def recommend(model, *, input_shapes=None, fast_math: bool = True, layout: str = "nchw",
               **kwargs) -> Result:
     """Transfer-tune a model end to end; see :func:`ttrank.pipeline.recommend` for the options.
-    ``fast_math``, ``layout``: as in :func:`rank`; ``layout="auto"`` (for a model given by path)
-    packs the convs when the donor store covers every packed conv
+    ``fast_math``, ``layout``: as in :func:`rank`; ``layout="auto"`` packs the convs of a model
+    as imported when the donor store covers every packed conv
     (:func:`ttrank.coverage.choose_layout`).
 
     Returns a :class:`Result`: chosen schedules per kernel, the database path, the compiled
     module (``result.compiled``), latencies and the per-kernel report.
     """
     target = kwargs.get("target")
-
-    def load_as(lay: str) -> LoadedModel:
-        return _as_model(model, input_shapes, fast_math, lay, target)
-
-    if layout != "auto" or isinstance(model, LoadedModel):
-        return _recommend(load_as(layout), **kwargs)
+    if layout != "auto":
+        return _recommend(_as_model(model, input_shapes, fast_math, layout, target), **kwargs)
+    loaded = _as_model(model, input_shapes, fast_math, "nchw", target)
     if kwargs.get("store") is None:
         kwargs["store"] = DonorStore.load()
     excluded = set(kwargs.get("exclude_networks", ()))
     if kwargs.get("leave_one_out"):
-        excluded.add(name_of(model))
-    chosen, _ = choose_layout(load_as, kwargs["store"], target or make_target(), excluded)
+        excluded.add(loaded.name)
+    chosen, _ = choose_layout(loaded, kwargs["store"], target or make_target(), excluded)
     return _recommend(chosen, **kwargs)

@@ -408,8 +408,8 @@ def cmd_recommend(args) -> int:
     store = donors.DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
     if args.layout == "auto":
         excluded = set(args.exclude_network or []) | ({zoo.name_of(args.model)} if args.leave_one_out else set())
-        model, why = choose_layout(lambda layout: load_model_arg(args, target, layout), store, target,
-                                   excluded)
+        model, why = choose_layout(load_model_arg(args, target, "nchw"), store, target, excluded)
+        args.loaded_model = model
         con.print(f"layout: {model.layout} ({why})")
     else:
         model = load_model_arg(args, target)

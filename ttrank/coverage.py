@@ -3,13 +3,12 @@ left without one goes (what ``recommend`` then tunes itself)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .donors import DonorStore
 from .errors import ModelLoadError
 from .frontend import LoadedModel
-from .kernels import Kernel, extract
+from .kernels import Kernel, model_kernels
 from .layouts import PACKED_CONV
 
 
@@ -56,30 +55,29 @@ class TuningPlan:
     trials: int
 
 
-def choose_layout(load: Callable[[str], LoadedModel], store: DonorStore, target,
+def choose_layout(model: LoadedModel, store: DonorStore, target,
                   exclude_networks: set[str] | frozenset = frozenset()) -> tuple[LoadedModel, str]:
-    """``--layout auto``: the model with packed convs (nchwc) when the store has packed schedules
-    for every packed conv it then has, else as imported (nchw); and why, in a few words.
+    """``--layout auto``: ``model`` (as imported, NCHW) with packed convs (nchwc) when the store
+    has packed schedules for every packed conv it then has, else as it is; and why, in a few words.
 
     Packed convs are other kernels than NCHW ones: a packed conv no donor covers would be left
     at TVM's default schedule (or tuned from scratch), where NCHW donors cover it as imported.
-    ``load(layout)`` loads the model in a layout.
     """
     packed_donors = [w for w in store.workloads
                      if PACKED_CONV in w.kernel.anchor_op and w.network not in exclude_networks]
     if not packed_donors:
-        return load("nchw"), "no packed-conv donors in the store"
+        return model, "no packed-conv donors in the store"
     try:
-        model = load("nchwc")
+        packed_model = model.in_layout("nchwc", target)
     except ModelLoadError as e:  # the packing pass cannot rewrite this graph: as exported
-        return load("nchw"), f"its convs cannot be packed ({e})"
-    packed = [k for k in extract(model.mod, target) if PACKED_CONV in k.anchor_op]
+        return model, f"its convs cannot be packed ({e})"
+    packed = [k for k in model_kernels(packed_model, target) if PACKED_CONV in k.anchor_op]
     if not packed:
-        return load("nchw"), "no conv to pack"
+        return model, "no conv to pack"
     bare = [k.name for k in packed if not store.compatible(k, set(exclude_networks))]
     if bare:
-        return load("nchw"), f"no packed donor for {len(bare)} of its {len(packed)} packed convs"
-    return model, f"packed donors cover all {len(packed)} packed convs"
+        return model, f"no packed donor for {len(bare)} of its {len(packed)} packed convs"
+    return packed_model, f"packed donors cover all {len(packed)} packed convs"
 
 
 def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered: set[str],

@@ -8,6 +8,7 @@ import logging
 import math
 import re
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,10 +54,30 @@ class LoadedModel:
     simplified_because: str = ""
     # the convolutions' activation layout (ttrank.layouts.LAYOUTS); the interface stays NCHW
     layout: str = "nchw"
+    # its kernels per target (ttrank.kernels.model_kernels): choosing a layout and recommend
+    # both need them, and extraction costs seconds on a large network
+    kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
         return Path(self.path).stem
+
+    def in_layout(self, layout: str, target=None) -> LoadedModel:
+        """This model with its convs in ``layout`` (see :func:`load`), from its NCHW import: no
+        second import. A graph the layout pass cannot rewrite is one :class:`ModelLoadError`."""
+        if layout == self.layout:
+            return self
+        if layout not in LAYOUTS:
+            raise ModelLoadError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+        if self.layout != "nchw":
+            raise ModelLoadError(f"{self.path} is loaded in the {self.layout} layout; "
+                                 "another layout starts from its NCHW import")
+        try:
+            mod = apply_layout(self.mod, layout, target)
+        except Exception as e:  # noqa: BLE001 - a graph the layout pass cannot rewrite is this model's
+            raise ModelLoadError(f"{self.path}: cannot put its convolutions in the {layout} layout "
+                                 f"({_short(e)}); --layout nchw keeps them as exported") from None
+        return dataclasses.replace(self, mod=mod, layout=layout, kernel_cache={})
 
     def random_inputs(self, seed: int = 0) -> dict[str, np.ndarray]:
         """Deterministic inputs: normal floats; small non-negative ints (valid token ids/masks)."""
@@ -428,13 +449,9 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     mod = clean_up(mod)  # batch norms folded, 2x2-stride-2 transposed convs as convs
     if fast_math:
         mod = with_fast_math(mod)
-    try:
-        mod = apply_layout(mod, layout, target)
-    except Exception as e:  # noqa: BLE001 - a graph the layout pass cannot rewrite is this model's
-        raise ModelLoadError(f"{path}: cannot put its convolutions in the {layout} layout "
-                             f"({_short(e)}); --layout nchw keeps them as exported") from None
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because, layout)
+    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because).in_layout(
+        layout, target)
 
 
 def _simplify(model: onnx.ModelProto, path) -> onnx.ModelProto:

@@ -229,3 +229,13 @@ def extract(mod, target=None, include_injective: bool = True) -> list[Kernel]:
         kernels = [k for k in kernels if k.tunable]
     kernels.sort(key=lambda k: -k.flops * k.weight)
     return kernels
+
+
+def model_kernels(model, target=None) -> list[Kernel]:
+    """:func:`extract` of a :class:`~ttrank.frontend.LoadedModel`, once per target: the
+    result is kept on the model (choosing its layout and recommending both need it)."""
+    target = target or make_target()
+    key = str(target)
+    if key not in model.kernel_cache:
+        model.kernel_cache[key] = extract(model.mod, target)
+    return list(model.kernel_cache[key])

@@ -21,11 +21,12 @@ around all four: ``ConvertLayout`` propagates the packed layout from conv to con
 ReLU and residual adds), the 5-D convs are legalized here to a TE packed conv
 (:func:`_te_conv2d_nchwc`: reduction over input-channel chunk, kh, kw, input-channel block; the
 output-channel block innermost, the loop a vector FMA wants), the convs ``ConvertLayout`` skips
-are packed one by one with block sizes from their own channel counts, and activation layout
-transforms become gathers (injective, so they fuse). Weight (and bias) transforms act on
-constants and ``FoldConstant`` folds them at compile time. The module keeps its NCHW
-interface, so ttrank's fusion pipeline, ``tune``, ``extract_tasks`` (which then yields
-``fused_conv2d_NCHWc_add_relu`` and such) and ``compile_relax`` work unchanged.
+are packed too, what it leaves NCHW between packed tensors (pools, ReLU6, squeeze-excitation,
+splits, concats, resizes) is computed packed, and activation layout transforms become gathers
+(injective, so they fuse). Weight (and bias) transforms act on constants and ``FoldConstant``
+folds them at compile time. The module keeps its NCHW interface, so ttrank's fusion pipeline,
+``tune``, ``extract_tasks`` (which then yields ``fused_conv2d_NCHWc_add_relu`` and such) and
+``compile_relax`` work unchanged.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
     """Rewrite the float32 convs of ``mod`` (an imported Relax module, before fusion) into TVM's
     x86 packed form (see the module docstring). Returns a new module.
 
+    0. ONNX's Clip (ReLU6), which imports as opaque ``call_tir``, becomes Relax max/min ops.
     1. ``propagate``: Relax's ``ConvertLayout`` puts every conv whose channels divide by the
        vector lanes in ``NCHW[lanes]c`` / ``OIHW[lanes]i[lanes]o``, and carries that layout
        through the element-wise ops between convs (bias, ReLU, residual adds), so the data
@@ -165,110 +167,372 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
     2. Those packed ``relax.nn.conv2d`` calls, which stock legalization leaves alone, become
        ``call_tir`` of :func:`_te_conv2d_nchwc`.
     3. Every other NCHW/OIHW conv (channels that do not divide: a 3-channel stem, 24 or 40
-       channels; depthwise convs, which ``ConvertLayout`` skips) is packed on its own with
-       block sizes from its channel counts, between transforms to and from NCHW.
-    4. Layout transforms of activations become gathers (:func:`_te_gather_transform`) that can
+       channels; depthwise convs, which ``ConvertLayout`` skips) is packed too: it reads a
+       packed input in its own blocks when they divide its channels, else its own block sizes.
+    4. What ``ConvertLayout`` leaves NCHW between packed tensors (max/avg pools, ReLU6, fast
+       math's exp, squeeze-excitation's mean and product, channel splits and concats,
+       upsampling) is computed packed too (:class:`_Packer`), so a network's activations are
+       transformed only at its input and outputs, and where an op has no packed form.
+    5. Layout transforms of activations become gathers (:func:`_te_gather_transform`) that can
        fuse; transforms of constants are left for ``FoldConstant``.
 
-    ``stats`` (a dict) receives the counts: propagated, wrapped, depthwise, transforms.
+    ``stats`` (a dict) receives the counts: propagated, wrapped, depthwise, transforms, sunk.
     """
 
     lanes = lanes or simd_lanes(target)
+    mod = _clip_as_relax_ops(mod)
     if propagate:
         with tvm.transform.PassContext(opt_level=3):
             mod = relax.transform.ConvertLayout(
                 {"relax.nn.conv2d": [f"NCHW{lanes}c", f"OIHW{lanes}i{lanes}o"]})(mod)
-    conv_op = ir.Op.get("relax.nn.conv2d")
-    lt_op = ir.Op.get("relax.layout_transform")
-    counts = {"propagated": 0, "wrapped": 0, "depthwise": 0, "transforms": 0}
-
-    @mutator
-    class _Packer(PyExprMutator):
-        def visit_call_(self, call):  # noqa: N802 - the mutator's hook name
-            call = self.visit_expr_post_order(call)
-            if not isinstance(call, relax.Call):
-                return call
-            new = None
-            if call.op.same_as(conv_op):
-                new = self._conv(call)
-            elif call.op.same_as(lt_op):
-                new = self._transform(call)
-            return call if new is None else new
-
-        def _transform(self, call):
-            x = call.args[0]
-            if isinstance(x, (ir.Constant, ir.GenericConst)) or call.attrs.pad_value is not None:
-                return None
-            if _static_shape(x) is None:
-                return None
-            index_map = call.attrs.index_map
-            try:
-                _, pred = index_map.non_surjective_inverse(x.ty.shape)
-                if not isinstance(pred, tvm.tirx.expr.IntImm) or int(pred) != 0:
-                    return None  # a padding transform: leave it to the stock legalization
-            except Exception:  # noqa: BLE001
-                return None
-            counts["transforms"] += 1
-            return _gather(self.builder_, x, index_map)
-
-        def _conv(self, call):
-            a = call.attrs
-            x, w = call.args
-            xs, ws = _static_shape(x), _static_shape(w)
-            if xs is None or ws is None:
-                return None
-            if x.ty.dtype != "float32" or w.ty.dtype != "float32" or str(call.ty.dtype) != "float32":
-                return None
-            strides = [int(s) for s in a.strides]
-            padding = [int(p) for p in a.padding]
-            if len(padding) == 2:
-                padding = padding * 2
-            dilation = [int(d) for d in a.dilation]
-            groups = int(a.groups)
-            dl, kl, ol = str(a.data_layout), str(a.kernel_layout), str(a.out_layout) or str(a.data_layout)
-            bb = self.builder_
-            md, mk, mo = _PACKED_DATA.match(dl), _PACKED_KERNEL.match(kl), _PACKED_DATA.match(ol)
-            if md and mk and mo:  # from ConvertLayout: already packed, legalize it here
-                if groups != 1 or int(md.group(1)) != int(mk.group(1)) or int(mk.group(2)) != int(mo.group(1)):
-                    return None
-                counts["propagated"] += 1
-                return bb.call_te(_te_conv2d_nchwc, x, w, strides, padding, dilation, "float32",
-                                  primfunc_name_hint=PACKED_CONV)
-            if (dl, kl, ol) != ("NCHW", "OIHW", "NCHW") or len(xs) != 4 or len(ws) != 4:
-                return None
-            cin, cout = xs[1], ws[0]
-            dw = groups > 1 and groups == cin == cout and ws[1] == 1
-            if groups != 1 and not (dw and depthwise):
-                return None
-            if dw:
-                cb = block_size(cin, lanes)
-                data = bb.emit(_gather(bb, x, _imap(lambda n, c, h, w_: (n, c // cb, h, w_, c % cb))))
-                kern = bb.emit(relax.op.layout_transform(
-                    w, lambda o, i, h, w_: (o // cb, i, h, w_, o % cb)))
-                out = bb.emit(bb.call_te(_te_depthwise_nchwc, data, kern, strides, padding,
-                                         dilation, "float32", primfunc_name_hint=PACKED_DEPTHWISE))
-                ob = cb
-                counts["depthwise"] += 1
-            else:
-                ob = block_size(cout, lanes)
-                ib = block_size(cin, lanes, cap=ob)
-                data = bb.emit(_gather(bb, x, _imap(lambda n, c, h, w_: (n, c // ib, h, w_, c % ib))))
-                kern = bb.emit(relax.op.layout_transform(
-                    w, lambda o, i, h, w_: (o // ob, i // ib, h, w_, i % ib, o % ob)))
-                out = bb.emit(bb.call_te(_te_conv2d_nchwc, data, kern, strides, padding,
-                                         dilation, "float32", primfunc_name_hint=PACKED_CONV))
-                counts["wrapped"] += 1
-            return _gather(bb, out, _imap(lambda n, c, h, w_, o: (n, c * ob + o, h, w_)))
-
-    packer = _Packer(mod)
+    counts = {"propagated": 0, "wrapped": 0, "depthwise": 0, "transforms": 0, "sunk": 0}
+    packer = _Packer(mod, lanes, counts, depthwise)
     for gv, func in list(mod.functions.items()):
         if isinstance(func, relax.Function):
             packer.builder_.update_func(gv, packer.visit_expr(func))
-    out = relax.transform.Normalize()(packer.builder_.get())
+    out = packer.builder_.get()
+    # the NCHW views that every consumer now reads packed are dead; one transform per tensor
+    out = relax.transform.DeadCodeElimination()(relax.transform.Normalize()(out))
+    out = relax.transform.EliminateCommonSubexpr()(out)
     log.info("pack_conv2d_nchwc (lanes %d): %s", lanes, counts)
     if stats is not None:
         stats.update(counts)
     return out
+
+
+# element-wise ops computed in the packed layout when their input is an NCHW view of a packed
+# tensor (other operands: scalars, per-channel [1, C, 1, 1] constants, or views of the same block)
+_SINKABLE = frozenset(f"relax.{n}" for n in (
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "nn.relu", "nn.silu",
+    "nn.gelu", "sigmoid", "tanh", "exp", "clip", "negative", "sqrt", "rsqrt", "erf", "abs"))
+_POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
+# over H and W, keeping the dims: a global pool (squeeze-excitation, the classifier's input)
+_SPATIAL_REDUCTIONS = frozenset({"relax.mean", "relax.sum", "relax.max"})
+# element-wise PrimFuncs in the imported module (call_tir), by name hint: fast math's
+# approximations (ttrank.frontend.with_fast_math), re-emitted on the packed tensor
+_TE_UNARY = {"fast_exp": topi.fast_exp, "fast_erf": topi.fast_erf, "fast_tanh": topi.fast_tanh}
+_CALL_TIR = ir.Op.get("relax.call_tir")
+
+
+@mutator
+class _Packer(PyExprMutator):
+    """Legalizes the packed convs ``ConvertLayout`` made, packs the convs it skipped, and keeps
+    data packed through what lies between them.
+
+    An NCHW *view* is ``unpack(p)``, the transform of a packed [N, C//b, H, W, b] tensor ``p``
+    back to NCHW. Element-wise ops and pools over a view are computed on ``p`` in the packed
+    layout (and give a view of their own result); a conv that ``ConvertLayout`` skipped (a
+    3-channel stem, depthwise, channels that do not divide by the lanes) reads ``p`` when its
+    block fits and writes a packed result; a transform of a view back to the same block is
+    ``p`` itself. Views nobody reads are then dead code."""
+
+    def __init__(self, mod, lanes: int, counts: dict, depthwise: bool = True):
+        super().__init__(mod)
+        self.lanes, self.counts, self.depthwise = lanes, counts, depthwise
+        self.views: dict = {}  # view expression -> (packed tensor, block)
+
+    def visit_call_(self, call):  # noqa: N802 - the mutator's hook name
+        call = self.visit_expr_post_order(call)
+        if not isinstance(call, relax.Call) or not isinstance(call.op, ir.Op):
+            return call
+        name = call.op.name
+        new = None
+        if call.op.same_as(_CALL_TIR):
+            new = self._te_unary(call)
+        elif name == "relax.nn.conv2d":
+            new = self._conv(call)
+        elif name == "relax.layout_transform":
+            new = self._transform(call)
+        elif name in _SINKABLE:
+            new = self._elementwise(call)
+        elif name in _POOLS:
+            new = self._pool(call)
+        elif name in _SPATIAL_REDUCTIONS:
+            new = self._spatial_reduction(call)
+        elif name == "relax.concat":
+            new = self._concat(call)
+        elif name == "relax.strided_slice":
+            new = self._channel_slice(call)
+        elif name == "relax.image.resize2d":
+            new = self._resize(call)
+        return call if new is None else new
+
+    # -- views -------------------------------------------------------------------------------
+    def _view_of(self, expr):
+        """(packed tensor, block) if ``expr`` is an NCHW view of a packed tensor, else None."""
+        if isinstance(expr, relax.Var):
+            expr = self.lookup_binding(expr)
+        return self.views.get(expr) if expr is not None else None
+
+    def _unpack(self, packed, block: int):
+        """An NCHW view of ``packed`` (emitted when a consumer needs NCHW; dead otherwise)."""
+        view = _gather(self.builder_, packed, _unpack_map(block))
+        self.views[view] = (packed, block)
+        return view
+
+    def _pack(self, x, block: int):
+        """``x`` (NCHW) in blocks of ``block`` channels: the packed tensor of a view, else a
+        transform (a gather; on constants, a layout_transform that FoldConstant folds)."""
+        view = self._view_of(x)
+        if view is not None and view[1] == block:
+            return view[0]
+        if isinstance(x, (ir.Constant, ir.GenericConst)):
+            return self.builder_.emit(relax.op.layout_transform(x, _pack_map(block)))
+        return self.builder_.emit(_gather(self.builder_, x, _pack_map(block)))
+
+    def _operand(self, x, block: int, channels: int):
+        """An operand of an element-wise op whose main input is packed: a view of the same
+        block, a scalar, or a per-channel [1, C, 1, 1] tensor; else None."""
+        view = self._view_of(x)
+        if view is not None:
+            return view[0] if view[1] == block else None
+        shape = _static_shape(x)
+        if shape is None:
+            return None
+        if all(d == 1 for d in shape) and len(shape) <= 1:
+            return x  # a scalar broadcasts in any layout
+        if len(shape) == 4 and shape[0] == 1 and shape[1] == channels and shape[2:] == [1, 1]:
+            return self._pack(x, block)
+        return None
+
+    # -- rewrites ------------------------------------------------------------------------------
+    def _transform(self, call):
+        x = call.args[0]
+        if isinstance(x, (ir.Constant, ir.GenericConst)) or call.attrs.pad_value is not None:
+            return None
+        shape = _static_shape(x)
+        if shape is None:
+            return None
+        index_map = call.attrs.index_map
+        view = self._view_of(x)
+        if view is not None and len(shape) == 4:  # a view packed again: its own packed tensor
+            out_shape = [int(d) for d in index_map.map_shape(shape)]
+            if out_shape == [shape[0], shape[1] // view[1], shape[2], shape[3], view[1]] and \
+                    _same_map(index_map, _pack_map(view[1]), shape):
+                return view[0]
+        try:
+            _, pred = index_map.non_surjective_inverse(x.ty.shape)
+            if not isinstance(pred, tvm.tirx.expr.IntImm) or int(pred) != 0:
+                return None  # a padding transform: leave it to the stock legalization
+        except Exception:  # noqa: BLE001
+            return None
+        self.counts["transforms"] += 1
+        if len(shape) == 5 and _same_map(index_map, _unpack_map(shape[4]), shape):
+            return self._unpack(x, shape[4])  # ConvertLayout's own unpack: a view
+        return _gather(self.builder_, x, index_map)
+
+    def _elementwise(self, call):
+        tensors = [a for a in call.args if isinstance(a.ty, relax.TensorType)]
+        views = [v for a in tensors if (v := self._view_of(a)) is not None]
+        if not views or len(call.ty.shape) != 4 or str(call.ty.dtype) != "float32":
+            return None
+        block = views[0][1]
+        channels = int(call.ty.shape[1])
+        args = []
+        for a in call.args:
+            if not isinstance(a.ty, relax.TensorType):
+                args.append(a)  # PrimValue bounds of clip
+                continue
+            packed = self._operand(a, block, channels)
+            if packed is None:
+                return None
+            args.append(packed)
+        out = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
+        self.counts["sunk"] += 1
+        return self._unpack(out, block)
+
+    def _te_unary(self, call):
+        gv, args = call.args[0], call.args[1]
+        fn = _TE_UNARY.get(re.sub(r"\d+$", "", gv.name_hint)) if isinstance(gv, relax.GlobalVar) else None
+        if fn is None or not isinstance(args, relax.Tuple) or len(args.fields) != 1:
+            return None
+        view = self._view_of(args.fields[0])
+        if view is None or _static_shape(call) != _static_shape(args.fields[0]):
+            return None
+        out = self.builder_.emit(self.builder_.call_te(fn, view[0], primfunc_name_hint=gv.name_hint))
+        self.counts["sunk"] += 1
+        return self._unpack(out, view[1])
+
+    def _concat(self, call):
+        """Channel concat of views of one block (inception branches, CSP and FPN merges), each
+        a whole number of blocks: the packed tensors concatenated on the block axis."""
+        parts = call.args[0]
+        if not isinstance(parts, relax.Tuple) or call.attrs.axis is None or \
+                int(call.attrs.axis) % 4 != 1 or len(call.ty.shape) != 4:
+            return None
+        views = [self._view_of(x) for x in parts.fields]
+        if any(v is None for v in views) or len({v[1] for v in views}) != 1:
+            return None
+        out = self.builder_.emit(relax.op.concat([v[0] for v in views], axis=1))
+        self.counts["sunk"] += 1
+        return self._unpack(out, views[0][1])
+
+    def _channel_slice(self, call):
+        """A slice of whole blocks on the channel axis (a CSP split) of a view."""
+        view = self._view_of(call.args[0])
+        if view is None or len(call.ty.shape) != 4:
+            return None
+        try:
+            axes, begin, end, *rest = ([int(f.value) for f in t.fields] for t in call.args[1:])
+        except (AttributeError, TypeError, ValueError):
+            return None
+        strides = rest[0] if rest else [1] * len(axes)
+        block = view[1]
+        channels = int(call.args[0].ty.shape[1])
+        if axes != [1] or strides != [1] or begin[0] % block or min(end[0], channels) % block:
+            return None
+        out = self.builder_.emit(relax.op.strided_slice(
+            view[0], axes=[1], begin=[begin[0] // block], end=[min(end[0], channels) // block]))
+        self.counts["sunk"] += 1
+        return self._unpack(out, block)
+
+    def _resize(self, call):
+        """Upsampling (FPN, YOLO's neck) computed on the packed tensor."""
+        view = self._view_of(call.args[0])
+        a = call.attrs
+        if view is None or str(a.layout) != "NCHW" or len(call.ty.shape) != 4:
+            return None
+        size = [int(d) for d in call.ty.shape.values[2:]]
+        roi = [float(r) for r in a.roi] if getattr(a, "roi", None) is not None else None
+        out = self.builder_.emit(relax.op.image.resize2d(
+            view[0], size, roi=roi, layout=f"NCHW{view[1]}c", method=str(a.method),
+            coordinate_transformation_mode=str(a.coordinate_transformation_mode),
+            rounding_method=str(a.rounding_method), cubic_alpha=float(a.cubic_alpha),
+            cubic_exclude=int(a.cubic_exclude), extrapolation_value=float(a.extrapolation_value),
+            out_dtype=None if str(a.out_dtype) in ("", "None", "void") else str(a.out_dtype)))
+        self.counts["sunk"] += 1
+        return self._unpack(out, view[1])
+
+    def _spatial_reduction(self, call):
+        view = self._view_of(call.args[0])
+        a = call.attrs
+        if view is None or a.axis is None or not a.keepdims or len(call.ty.shape) != 4 or \
+                sorted(int(x) % 4 for x in a.axis) != [2, 3]:
+            return None
+        op = {"relax.mean": relax.op.mean, "relax.sum": relax.op.sum, "relax.max": relax.op.max}[call.op.name]
+        # H and W are axes 2 and 3 of the packed tensor too (not -2, -1)
+        out = self.builder_.emit(op(view[0], axis=[2, 3], keepdims=True))
+        self.counts["sunk"] += 1
+        return self._unpack(out, view[1])
+
+    def _pool(self, call):
+        view = self._view_of(call.args[0])
+        a = call.attrs
+        if view is None or str(a.layout) != "NCHW" or str(a.out_layout or a.layout) != "NCHW":
+            return None
+        packed, block = view
+        layout = f"NCHW{block}c"
+        op = relax.op.nn.max_pool2d if call.op.name == "relax.nn.max_pool2d" else relax.op.nn.avg_pool2d
+        kw = {} if call.op.name == "relax.nn.max_pool2d" else {"count_include_pad": bool(a.count_include_pad)}
+        out = self.builder_.emit(op(packed, pool_size=[int(v) for v in a.pool_size],
+                                    strides=[int(v) for v in a.strides],
+                                    padding=[int(v) for v in a.padding],
+                                    dilation=[int(v) for v in a.dilation], ceil_mode=bool(a.ceil_mode),
+                                    layout=layout, out_layout=layout, **kw))
+        self.counts["sunk"] += 1
+        return self._unpack(out, block)
+
+    def _conv(self, call):
+        a = call.attrs
+        x, w = call.args
+        xs, ws = _static_shape(x), _static_shape(w)
+        if xs is None or ws is None:
+            return None
+        if x.ty.dtype != "float32" or w.ty.dtype != "float32" or str(call.ty.dtype) != "float32":
+            return None
+        strides = [int(s) for s in a.strides]
+        padding = [int(p) for p in a.padding]
+        if len(padding) == 2:
+            padding = padding * 2
+        dilation = [int(d) for d in a.dilation]
+        groups = int(a.groups)
+        dl, kl, ol = str(a.data_layout), str(a.kernel_layout), str(a.out_layout) or str(a.data_layout)
+        bb = self.builder_
+        md, mk, mo = _PACKED_DATA.match(dl), _PACKED_KERNEL.match(kl), _PACKED_DATA.match(ol)
+        if md and mk and mo:  # from ConvertLayout: already packed, legalize it here
+            if groups != 1 or int(md.group(1)) != int(mk.group(1)) or int(mk.group(2)) != int(mo.group(1)):
+                return None
+            self.counts["propagated"] += 1
+            return bb.call_te(_te_conv2d_nchwc, x, w, strides, padding, dilation, "float32",
+                              primfunc_name_hint=PACKED_CONV)
+        if (dl, kl, ol) != ("NCHW", "OIHW", "NCHW") or len(xs) != 4 or len(ws) != 4:
+            return None
+        cin, cout = xs[1], ws[0]
+        dw = groups > 1 and groups == cin == cout and ws[1] == 1
+        if groups != 1 and not (dw and self.depthwise):
+            return None
+        view = self._view_of(x)
+        if dw:
+            # the block of the packed input when it divides the channels: no transform at all
+            cb = view[1] if view is not None and cin % view[1] == 0 else block_size(cin, self.lanes)
+            data = self._pack(x, cb)
+            kern = bb.emit(relax.op.layout_transform(
+                w, lambda o, i, h, w_: (o // cb, i, h, w_, o % cb)))
+            out = bb.emit(bb.call_te(_te_depthwise_nchwc, data, kern, strides, padding,
+                                     dilation, "float32", primfunc_name_hint=PACKED_DEPTHWISE))
+            ob = cb
+            self.counts["depthwise"] += 1
+        else:
+            ob = block_size(cout, self.lanes)
+            # a packed input is read in its own blocks (any size works with any output block)
+            ib = view[1] if view is not None and cin % view[1] == 0 else block_size(cin, self.lanes, cap=ob)
+            data = self._pack(x, ib)
+            kern = bb.emit(relax.op.layout_transform(
+                w, lambda o, i, h, w_: (o // ob, i // ib, h, w_, i % ib, o % ob)))
+            out = bb.emit(bb.call_te(_te_conv2d_nchwc, data, kern, strides, padding,
+                                     dilation, "float32", primfunc_name_hint=PACKED_CONV))
+            self.counts["wrapped"] += 1
+        return self._unpack(out, ob)
+
+
+def _pack_map(block: int):
+    return _imap(lambda n, c, h, w_: (n, c // block, h, w_, c % block))
+
+
+def _unpack_map(block: int):
+    return _imap(lambda n, c, h, w_, o: (n, c * block + o, h, w_))
+
+
+def _same_map(index_map, expected, shape) -> bool:
+    """Whether two index maps send every index of ``shape`` to the same place."""
+    try:
+        got = index_map.map_indices(expected.initial_indices)
+        want = expected.final_indices
+        ana = tvm.sym.Analyzer()
+        for v, extent in zip(expected.initial_indices, shape):
+            ana.bind(v, tvm.ir.Range.from_min_extent(0, extent))
+        return len(got) == len(want) and all(ana.can_prove_equal(g, e) for g, e in zip(got, want))
+    except Exception:  # noqa: BLE001 - maps of another arity
+        return False
+
+
+def _clip_as_relax_ops(mod):
+    """ONNX's Clip (ReLU6, hard-swish) imports as ``call_tir`` of TOPI's maximum/minimum with a
+    scalar bound: opaque to ``ConvertLayout``, so the data left the packed layout around every
+    ReLU6. As ``relax.maximum``/``relax.minimum`` the layout flows through them."""
+    ops = {"maximum": relax.op.maximum, "minimum": relax.op.minimum}
+
+    @mutator
+    class _Clip(PyExprMutator):
+        def visit_call_(self, call):  # noqa: N802
+            call = self.visit_expr_post_order(call)
+            if not (isinstance(call, relax.Call) and call.op.same_as(_CALL_TIR)):
+                return call
+            gv, args = call.args[0], call.args[1]
+            base = re.sub(r"\d+$", "", gv.name_hint) if isinstance(gv, relax.GlobalVar) else ""
+            if base not in ops or not isinstance(args, relax.Tuple) or len(args.fields) != 2:
+                return call
+            x, bound = args.fields
+            xs, bs = _static_shape(x), _static_shape(bound)
+            if xs is None or bs != [] or _static_shape(call) != xs:
+                return call
+            return ops[base](x, bound)
+
+    clip = _Clip(mod)
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            clip.builder_.update_func(gv, clip.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(clip.builder_.get())
 
 
 def _gather(bb, x, index_map):

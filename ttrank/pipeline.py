@@ -22,7 +22,7 @@ from .coverage import plan_missing
 from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
 from .frontend import LoadedModel
-from .kernels import Kernel, extract
+from .kernels import Kernel, model_kernels
 from .measure import Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
@@ -170,7 +170,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
     # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
     t0 = time.time()
-    kernels = extract(model.mod, target)
+    kernels = model_kernels(model, target)
     reports: dict[str, KernelReport] = {}
     ranked: dict[str, list[Candidate]] = {}
     for i, k in enumerate(kernels):
