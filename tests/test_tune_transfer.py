@@ -113,6 +113,23 @@ def test_a_ctrl_c_that_native_code_swallowed_still_stops_the_next_task(tmp_path)
         util.STOP_REQUESTED.clear()
 
 
+def test_a_task_name_that_now_names_another_kernel_is_tuned_again(tmp_path):
+    """After the model's passes change (a max-pool computed packed), a task keeps its name but
+    is another kernel: a resumed run tunes it rather than count the old kernel's trials."""
+    work = tmp_path / "work"
+    mod = zoo.load("zoo:tiny_cnn").mod
+    tune(mod, work, trials_per_task=2, only=["fused_matmul"])
+    assert count_trials(work)["fused_matmul_add4"]["done"] == 2
+    log = work / "trials.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    for r in rows:  # as if those trials had tuned another kernel of that name
+        if "workload" in r:
+            r["workload"] = "0" * 16
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tune(mod, work, trials_per_task=2, only=["fused_matmul"])
+    assert count_trials(work)["fused_matmul_add4"]["done"] == 4  # the old 2, then 2 of its own
+
+
 def test_store_skips_bad_lines_and_other_targets(donor_dir, tmp_path):
     bad = tmp_path / "foreign"
     bad.mkdir()

@@ -144,12 +144,22 @@ class _StopTuning(Exception):
     pass
 
 
-def count_trials(work_dir: str | Path) -> dict[str, dict]:
-    """Per task: trials logged and best latency, from trials.jsonl."""
+def count_trials(work_dir: str | Path, workloads: dict[str, str] | None = None) -> dict[str, dict]:
+    """Per task: trials logged and best latency, from trials.jsonl.
+
+    ``workloads`` (task name -> workload hash): count only the rows of that workload. A task
+    name can stand for another kernel after the model's passes change (a max-pool now packed):
+    its old trials are not this kernel's."""
     out: dict[str, dict] = {}
+    last: dict[str, str | None] = {}  # each task's latest workload: older events do not name it
     for row in trials(work_dir):
-        t = out.setdefault(row["task"], {"done": 0, "best_s": None, "search_s": 0.0,
-                                         "complete": False})
+        name = row["task"]
+        wl = row.get("workload") or last.get(name)
+        if row.get("workload"):
+            last[name] = row["workload"]
+        if workloads is not None and name in workloads and wl is not None and wl != workloads[name]:
+            continue
+        t = out.setdefault(name, {"done": 0, "best_s": None, "search_s": 0.0, "complete": False})
         if row.get("event") == "task_complete":
             # MetaSchedule stops early when a task's search space is exhausted
             t["complete"] = True
@@ -215,9 +225,9 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     order = sorted(range(len(extracted)), key=lambda i: -kernels[i].flops * kernels[i].weight)
 
     total_flops = sum(k.flops * k.weight for k in kernels)
-    done = count_trials(work_dir)
+    done = count_trials(work_dir, {k.name: k.workload_hash for k in kernels})
     progress = TuneProgress(budget_s=budget_minutes * 60 if budget_minutes else None)
-    prior_search = max((d["search_s"] for d in done.values()), default=0.0)
+    prior_search = max((d["search_s"] for d in count_trials(work_dir).values()), default=0.0)
     old = read_manifest(work_dir)
     for i in order:
         k = kernels[i]
@@ -311,6 +321,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                 log.info("budget spent during %s; a rerun continues it", tp.name)
                 break
             append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
+                                                  "workload": kernels[i].workload_hash,
                                                   "search_s": round(clock(), 3),
                                                   "target": tp.target_trials})
             tp.target_trials = tp.done  # finished, possibly early on an exhausted space
