@@ -113,6 +113,22 @@ def test_a_ctrl_c_that_native_code_swallowed_still_stops_the_next_task(tmp_path)
         util.STOP_REQUESTED.clear()
 
 
+def test_a_second_ctrl_c_inside_a_safe_section_ends_the_process_at_once():
+    """The first Ctrl-C asks to stop at the next safe point; the second ends the process with
+    130 without unwinding (a KeyboardInterrupt raised inside TVM's worker pools could leave one
+    of them hung on its lock)."""
+    code = ("import signal\n"
+            "from ttrank import util\n"
+            "with util.stop_at_safe_points():\n"
+            "    util.on_sigint(signal.SIGINT, None)\n"
+            "    assert util.STOP_REQUESTED.is_set()\n"
+            "    util.on_sigint(signal.SIGINT, None)\n"
+            "    print('still running')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and "still running" not in proc.stdout
+    assert "stopping after the current batch" in proc.stderr and "stopped; finished work is kept" in proc.stderr
+
+
 def test_a_task_name_that_now_names_another_kernel_is_tuned_again(tmp_path):
     """After the model's passes change (a max-pool computed packed), a task keeps its name but
     is another kernel: a resumed run tunes it rather than count the old kernel's trials."""

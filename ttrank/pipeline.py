@@ -33,7 +33,8 @@ from .target import cpu_description, host_mcpu, is_foreign, make_target, provena
 from .training import ranker_without
 from .transfer import Transferred, transfer
 from .tune import tune
-from .util import append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl
+from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
+                   stop_at_safe_points)
 
 # candidates per measuring batch: enough to keep both build workers busy, few enough that an
 # interruption loses little (each finished batch is appended to the measurement table)
@@ -186,28 +187,18 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # workers stay busy; each chunk builds while the one before it runs, and each chunk's rows
     # are appended as it finishes (Ctrl-C keeps them).
     t0 = time.time()
-    measurer = Measurer(target, runner)
     stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
-    try:
-        _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
-        picks, shares = {}, {}
-        for k in kernels:
-            picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
-                                                       policy, stage2, cached, target)
-            progress("transferring", len(picks), len(kernels), k.name)
-        anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
-        fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
-                                           stamp, measure_budget_s, t0, progress,
-                                           lambda fresh, n: anytime.append(
-                                               _anytime_point("measuring", t_start, kernels, picks, fresh,
-                                                              reports, n)))
-        chosen = {k.name: t for k in kernels
-                  if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
-    finally:
-        measurer.close()
+    # the first Ctrl-C stops after the batch being measured (its rows are kept); raised inside
+    # the measurer's worker pools it could leave one hung on its lock (ttrank.util)
+    with stop_at_safe_points():
+        measurer = Measurer(target, runner)
+        chosen, unmeasured, anytime = _measure(
+            model, kernels, ranked, reports, policy, stage2, cached, target, measurer, table, stamp,
+            measure_budget_s, t0, t_start, progress)
+    if STOP_REQUESTED.is_set():
+        raise KeyboardInterrupt
     t_measure = time.time() - t0
     t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
-
     t0 = time.time()
     extra_db = _tune_missing(model, kernels, store, exclude_networks, chosen, reports, tune_missing,
                              target, progress, runner)
@@ -249,6 +240,33 @@ def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
             f"{target.attrs.get('mcpu') or host_mcpu()}. Up to {top_k or ranker.metadata.get('top_k', 3)} of its "
             "candidates per kernel are measured here; `ttrank adapt --budget-minutes 60` tunes "
             "the common kernels natively on this CPU and teaches the ranker its rows.")
+
+
+def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[Candidate]],
+             reports: dict[str, KernelReport], policy: FixedK, stage2: SecondStage | None, cached: dict,
+             target, measurer: Measurer, table: Path, stamp: dict, budget_s: float | None, t0: float,
+             t_start: float, progress: Progress):
+    """Steps 4-5: the untuned kernels, then each kernel's shortlist, measured; the fastest correct
+    pick per kernel. Returns (chosen, candidates left unmeasured, the anytime curve). Closes
+    ``measurer``."""
+    try:
+        _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
+        picks, shares = {}, {}
+        for k in kernels:
+            picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
+                                                       policy, stage2, cached, target)
+            progress("transferring", len(picks), len(kernels), k.name)
+        anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
+        fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
+                                           stamp, budget_s, t0, progress,
+                                           lambda fresh, n: anytime.append(
+                                               _anytime_point("measuring", t_start, kernels, picks, fresh,
+                                                              reports, n)))
+        chosen = {k.name: t for k in kernels
+                  if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
+    finally:
+        measurer.close()
+    return chosen, unmeasured, anytime
 
 
 def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, cached: dict, table: Path,
@@ -336,7 +354,9 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
 
     # each chunk builds while the one before it runs; the budget is asked before each but the
     # first runs (a chunk built ahead is then dropped unrun)
-    over = None if budget_s is None else (lambda: time.time() - t0 > budget_s)
+    def over() -> bool:
+        return STOP_REQUESTED.is_set() or (budget_s is not None and time.time() - t0 > budget_s)
+
     for results in measurer.measure_stream(chunks(), stop=over):
         part = parts.pop(0)
         measured += len(part)

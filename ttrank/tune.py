@@ -245,94 +245,100 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
         progress.tasks.append(TaskProgress(k.name, k.flops, k.weight, target_trials,
                                            d.get("done", 0), d.get("best_s")))
     database = ms.database.JSONDatabase(work_dir=str(work_dir))
-    builder = WarmPoolBuilder(timeout_sec=build_timeout_sec)
-    runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
-    machine, made = None, None
-    if isinstance(runner, RunnerSpec):
-        machine = runner.provenance(target)
-        runner = made = runner.create()
-    manifest = functools.partial(_write_manifest, work_dir, model_name, target, trials_per_task,
-                                 injective_trials, kernels, layout=layout, machine=machine,
-                                 small_trials=small_trials)
-    manifest(progress, prior_search)
-    t0 = time.time()
+    # from the first worker pool to the last cleanup, the first Ctrl-C only asks to stop (checked
+    # before each task and after each batch): raised inside a pool's shutdown, a KeyboardInterrupt
+    # would leave the pool's lock held and the process hung (ttrank.util)
+    with stop_at_safe_points():
+        builder = WarmPoolBuilder(timeout_sec=build_timeout_sec)
+        runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
+        machine, made = None, None
+        if isinstance(runner, RunnerSpec):
+            machine = runner.provenance(target)
+            runner = made = runner.create()
+        manifest = functools.partial(_write_manifest, work_dir, model_name, target, trials_per_task,
+                                     injective_trials, kernels, layout=layout, machine=machine,
+                                     small_trials=small_trials)
+        manifest(progress, prior_search)
+        t0 = time.time()
 
-    def clock() -> float:
-        return prior_search + (time.time() - t0)
+        def clock() -> float:
+            return prior_search + (time.time() - t0)
 
-    def over_budget() -> bool:
-        # search time: from when the first task's context is ready. Making it costs a one-time
-        # import of TVM's tensor intrinsics (30 s or more per process), which is set-up, not search
-        return (progress.budget_s is not None and progress.search_started is not None
-                and time.time() - progress.search_started >= progress.budget_s)
+        def over_budget() -> bool:
+            # search time: from when the first task's context is ready. Making it costs a one-time
+            # import of TVM's tensor intrinsics (30 s or more per process), which is set-up, not search
+            return (progress.budget_s is not None and progress.search_started is not None
+                    and time.time() - progress.search_started >= progress.budget_s)
 
-    try:
-        for pos, i in enumerate(order):
-            tp = progress.tasks[pos]
-            progress.current = pos
-            remaining = tp.target_trials - tp.done
-            if remaining <= 0:
-                continue
-            if STOP_REQUESTED.is_set():  # a Ctrl-C that native code swallowed
-                raise KeyboardInterrupt
-            if over_budget():
-                log.info("budget spent; stopping before %s", tp.name)
-                break
-            task = extracted[i]
+        try:
+            for pos, i in enumerate(order):
+                tp = progress.tasks[pos]
+                progress.current = pos
+                remaining = tp.target_trials - tp.done
+                if remaining <= 0:
+                    continue
+                if STOP_REQUESTED.is_set():  # a Ctrl-C that native code swallowed
+                    raise KeyboardInterrupt
+                if over_budget():
+                    log.info("budget spent; stopping before %s", tp.name)
+                    break
+                task = extracted[i]
 
-            def on_batch(n: int, lat: list[float | None], tp=tp) -> bool:
-                tp.done += n
-                ok = [x for x in lat if x is not None]
-                if ok and (tp.best_s is None or min(ok) < tp.best_s):
-                    tp.best_s = min(ok)
-                progress.search_s = clock()
+                def on_batch(n: int, lat: list[float | None], tp=tp) -> bool:
+                    tp.done += n
+                    ok = [x for x in lat if x is not None]
+                    if ok and (tp.best_s is None or min(ok) < tp.best_s):
+                        tp.best_s = min(ok)
+                    progress.search_s = clock()
+                    if on_progress:
+                        on_progress(progress)
+                    return over_budget()
+
                 if on_progress:
                     on_progress(progress)
-                return over_budget()
-
-            if on_progress:
-                on_progress(progress)
-            # batches never exceed what the budget leaves, measured by this run's pace
-            # it creates MetaSchedule's loggers, as tune_tasks does
-            with metaschedule_logging(), cpu_tensor_intrinsics(target):
-                ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-                    [task], str(work_dir), strategy=search_strategy(min(trials_per_iter, remaining)), seed=seed)
-            if progress.search_started is None:
-                progress.search_started = time.time()
-                progress.setup_s = progress.search_started - started
-                progress.search_clock0 = clock()
-            callbacks = list(ms.measure_callback.MeasureCallback.create("default"))
-            callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
-                                          clock, on_batch))
-            try:
-                with stop_at_safe_points(), metaschedule_logging(), cpu_tensor_intrinsics(target):
-                    ms.tune.tune_tasks(
-                        tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
-                        max_trials_global=remaining, max_trials_per_task=remaining,
-                        num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
-                        runner=runner, database=database, measure_callbacks=callbacks,
-                        task_scheduler="round-robin", cost_model="xgb")
-            except Exception:
-                if not (STOP_REQUESTED.is_set() or over_budget()):
-                    raise
-            if STOP_REQUESTED.is_set():  # the logged trials and the database are kept
-                raise KeyboardInterrupt
-            if over_budget() and tp.done < tp.target_trials:
-                log.info("budget spent during %s; a rerun continues it", tp.name)
-                break
-            append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
-                                                  "workload": kernels[i].workload_hash,
-                                                  "search_s": round(clock(), 3),
-                                                  "target": tp.target_trials})
-            tp.target_trials = tp.done  # finished, possibly early on an exhausted space
+                # batches never exceed what the budget leaves, measured by this run's pace
+                # it creates MetaSchedule's loggers, as tune_tasks does
+                with metaschedule_logging(), cpu_tensor_intrinsics(target):
+                    ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+                        [task], str(work_dir), strategy=search_strategy(min(trials_per_iter, remaining)), seed=seed)
+                if progress.search_started is None:
+                    progress.search_started = time.time()
+                    progress.setup_s = progress.search_started - started
+                    progress.search_clock0 = clock()
+                if STOP_REQUESTED.is_set():  # asked while the task's context was made
+                    raise KeyboardInterrupt
+                callbacks = list(ms.measure_callback.MeasureCallback.create("default"))
+                callbacks.append(_TrialLogger(work_dir / TRIALS_FILE, tp.name, kernels[i].workload_hash,
+                                              clock, on_batch))
+                try:
+                    with metaschedule_logging(), cpu_tensor_intrinsics(target):
+                        ms.tune.tune_tasks(
+                            tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
+                            max_trials_global=remaining, max_trials_per_task=remaining,
+                            num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
+                            runner=runner, database=database, measure_callbacks=callbacks,
+                            task_scheduler="round-robin", cost_model="xgb")
+                except Exception:
+                    if not (STOP_REQUESTED.is_set() or over_budget()):
+                        raise
+                if STOP_REQUESTED.is_set():  # the logged trials and the database are kept
+                    raise KeyboardInterrupt
+                if over_budget() and tp.done < tp.target_trials:
+                    log.info("budget spent during %s; a rerun continues it", tp.name)
+                    break
+                append_jsonl(work_dir / TRIALS_FILE, {"task": tp.name, "event": "task_complete",
+                                                      "workload": kernels[i].workload_hash,
+                                                      "search_s": round(clock(), 3),
+                                                      "target": tp.target_trials})
+                tp.target_trials = tp.done  # finished, possibly early on an exhausted space
+                progress.search_s = clock()
+                manifest(progress, prior_search)
+        finally:
+            builder.close()
             progress.search_s = clock()
             manifest(progress, prior_search)
-    finally:
-        builder.close()
-        progress.search_s = clock()
-        manifest(progress, prior_search)
-        if hasattr(made, "close"):  # the fleet runner made here: its worker pool
-            made.close()
+            if hasattr(made, "close"):  # the fleet runner made here: its worker pool
+                made.close()
     return progress
 
 

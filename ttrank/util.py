@@ -275,8 +275,12 @@ def sha256_of(*paths: str | Path) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Ctrl-C inside MetaSchedule's native search loop: a KeyboardInterrupt raised there, in the
-# middle of a C++ -> Python callback, can crash the process (seen: SIGSEGV). Inside
-# ``stop_at_safe_points()`` the first Ctrl-C only asks the code to stop at its next safe point.
+# middle of a C++ -> Python callback, can crash the process (seen: SIGSEGV). Raised inside TVM's
+# PopenPoolExecutor while it holds its lock (shutting down its workers), it leaves the lock held,
+# and the pool's __del__ then waits on it forever (seen: a Ctrl-C'd tune hung for an hour).
+# Inside ``stop_at_safe_points()`` the first Ctrl-C only asks the code to stop at its next safe
+# point; the second ends the process at once, as a kill would (every log is append-only and
+# every database line torn by a kill is repaired on the next run).
 
 STOP_REQUESTED = threading.Event()
 _SAFE_SECTIONS = [0]
@@ -321,8 +325,8 @@ def stop_at_safe_points() -> Iterator[None]:
 
 
 def on_sigint(signum, frame) -> None:
-    """SIGINT handler: a stop request inside a safe section, else (or the second time) a
-    KeyboardInterrupt as usual.
+    """SIGINT handler: inside a safe section, a stop request the first time and the end of
+    the process the second; outside, a KeyboardInterrupt as usual.
 
     The request is recorded either way: TVM's native code can swallow the KeyboardInterrupt
     (a Python callback's exception becomes a failed candidate), and the loops check
@@ -330,8 +334,11 @@ def on_sigint(signum, frame) -> None:
     """
     first = not STOP_REQUESTED.is_set()
     STOP_REQUESTED.set()
-    if _SAFE_SECTIONS[0] and first:
+    if _SAFE_SECTIONS[0]:
         with contextlib.suppress(OSError):
-            os.write(USER_STDERR_FD[0], b"ttrank: stopping after the current batch (Ctrl-C again to stop at once)\n")
-        return
+            os.write(USER_STDERR_FD[0], b"ttrank: stopping after the current batch (Ctrl-C again to stop at once)\n"
+                     if first else b"ttrank: stopped; finished work is kept, rerun to resume\n")
+        if first:
+            return
+        os._exit(130)  # no unwinding through TVM's pools (see above)
     signal.default_int_handler(signum, frame)
