@@ -548,7 +548,7 @@ def cmd_collect(args) -> int:
         con.print(f"[yellow]warning: {busy}; measurements taken now will be noisy[/yellow]")
     out = args.out or locations.shipped_measurements(required=True)
     done = 0
-    try:
+    try:  # (Ctrl-C: collect_networks stops at a batch's end and raises KeyboardInterrupt)
         for net, st in collect.collect_networks(
                 args.networks, store, out, target, measurer,
                 budget_s=60 * args.budget_minutes if args.budget_minutes else None,

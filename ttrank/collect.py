@@ -32,7 +32,7 @@ from .measurements import key as measurement_key
 from .ranker import relevance
 from .target import CPU_KEYS, cpu_description, provenance
 from .transfer import transfer
-from .util import append_jsonl, atomic_write_json, file_lock, read_jsonl
+from .util import STOP_REQUESTED, append_jsonl, atomic_write_json, file_lock, read_jsonl, stop_at_safe_points
 
 log = logging.getLogger("ttrank")
 
@@ -193,7 +193,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     def over_budget() -> bool:
         if budget_s is not None and time.time() - t0 > budget_s:
             stats.stopped_by_budget = True
-        return stats.stopped_by_budget
+        return stats.stopped_by_budget or STOP_REQUESTED.is_set()  # or a Ctrl-C (util)
 
     def batches():
         """Each kernel's untuned baseline, then its candidates in batches (transferred here,
@@ -244,13 +244,18 @@ def collect_networks(networks: list[str], store: DonorStore, out_dir: str | Path
     ``paper_donor_of``: network -> its paper baseline's donor network (:func:`collect`).
     ``layout``: the networks' conv layout (packed convs take the packed donors' schedules)."""
     deadline = time.time() + budget_s if budget_s is not None else None
-    for net in networks:
-        left = deadline - time.time() if deadline is not None else None
-        if left is not None and left <= 0:
-            return
-        model = zoo.load(f"zoo:{net}", layout=layout, target=target)
-        yield net, collect(net, model, store, out_dir, target, measurer, budget_s=left,
-                           paper_donor=(paper_donor_of or {}).get(net), **kw)
+    # a Ctrl-C stops after the batch being measured (its rows are kept), then raises here
+    with stop_at_safe_points():
+        for net in networks:
+            left = deadline - time.time() if deadline is not None else None
+            if left is not None and left <= 0:
+                return
+            model = zoo.load(f"zoo:{net}", layout=layout, target=target)
+            stats = collect(net, model, store, out_dir, target, measurer, budget_s=left,
+                            paper_donor=(paper_donor_of or {}).get(net), **kw)
+            if STOP_REQUESTED.is_set():
+                raise KeyboardInterrupt
+            yield net, stats
 
 
 # --------------------------------------------------------------------------------------------
