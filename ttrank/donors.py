@@ -33,8 +33,9 @@ from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
 from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_of
-from .workdir import (MANIFEST_FILE, RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, database_files, db_file,
-                      is_work_dir, read_manifest, records, task_names, workload_lines)
+from .workdir import (MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
+                      database_files, db_file, is_work_dir, network_of, read_manifest, records, task_names,
+                      workload_lines)
 
 log = logging.getLogger("ttrank")
 
@@ -297,11 +298,6 @@ def user_donor_dir() -> Path:
     return cache_dir() / "donors"
 
 
-NATIVE_PREFIX = "native-"
-# "<network>@<set>": a donor set beside v1 (bench/tune_donors.py --layout/--threads)
-SET_SEPARATOR = "@"
-
-
 def native_dir(network: str, mcpu: str, layout: str = "nchw") -> Path:
     """Where ``ttrank adapt`` tunes ``network``'s kernels natively on CPU ``mcpu`` (a donor
     work_dir of the user's store; one per conv layout)."""
@@ -318,15 +314,6 @@ def tuned_here_dir(model: str, layout: str = "nchw") -> Path:
 def donor_set_dir(root: Path, network: str, layout: str, threads: int, mcpu: str) -> Path:
     """Where a donor set other than v1 (NCHW, one thread) keeps ``network``'s tuning run."""
     return root / f"{network}{SET_SEPARATOR}{layout}-t{threads}-{mcpu}"
-
-
-def network_of(work_dir: str | Path) -> str:
-    """The donor network a work_dir holds: its folder name, or for a native one or another
-    donor set's the network it was tuned in, so leaving a network out leaves them out too."""
-    name = Path(work_dir).name.split(SET_SEPARATOR, 1)[0]
-    if name.startswith(NATIVE_PREFIX) and name.count("-") >= 2:
-        return name[len(NATIVE_PREFIX):].split("-", 1)[1]
-    return name
 
 
 def store_index_path(dirs: list[Path], top_k: int = 5, target=None) -> Path:

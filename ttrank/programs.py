@@ -30,7 +30,7 @@ from .ranker import BoosterModel
 from .target import cpu_tensor_intrinsics, target_key
 from .transfer import transfer
 from .util import cache_dir, sha256_of
-from .workdir import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE, db_file, open_database
+from .workdir import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE, db_file, network_of, open_database
 
 log = logging.getLogger("ttrank")
 
@@ -229,7 +229,8 @@ def fit_cost_model(work_dirs: Iterable[str | Path], target, exclude_networks: It
                    **params) -> CostModel:
     """A cost model on every trial of ``work_dirs`` but those of ``exclude_networks``."""
     featurizer = Featurizer(target)
-    sets = [record_set(d, target, featurizer) for d in work_dirs if Path(d).name not in set(exclude_networks)]
+    # a network's other donor sets (packed, native) are its schedules too
+    sets = [record_set(d, target, featurizer) for d in work_dirs if network_of(d) not in set(exclude_networks)]
     sets = [s for s in sets if len(s.latency_s)]
     if not sets:
         raise RankerError("no donor tuning records to train a cost model on")

@@ -141,3 +141,18 @@ def task_names(work_dir: str | Path) -> dict[str, str]:
     """workload hash -> task name, from the trials log (absent in foreign logs)."""
     return {row["workload"]: row["task"] for row in trials(work_dir)
             if row.get("workload") and row.get("task")}
+
+
+# How a work_dir's folder names its network (the store, leave-one-out and the cost model read it)
+NATIVE_PREFIX = "native-"  # native-<mcpu>-<network>: ttrank adapt's native tuning
+# "<network>@<set>": a donor set beside v1 (bench/tune_donors.py --layout/--threads)
+SET_SEPARATOR = "@"
+
+
+def network_of(work_dir: str | Path) -> str:
+    """The donor network a work_dir holds: its folder name, or for a native one or another
+    donor set's the network it was tuned in, so leaving a network out leaves them out too."""
+    name = Path(work_dir).name.split(SET_SEPARATOR, 1)[0]
+    if name.startswith(NATIVE_PREFIX) and name.count("-") >= 2:
+        return name[len(NATIVE_PREFIX):].split("-", 1)[1]
+    return name
