@@ -48,7 +48,8 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path,
     assert not any("NCHWc" in k.anchor_op for k in plain)
 
 
-def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_path, target, monkeypatch):
+def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_bert, tmp_path, target,
+                                                     monkeypatch):
     as_imported = zoo.load(str(tiny_cnn))
 
     # NCHW donors only: the model stays as exported
@@ -61,6 +62,12 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tmp_p
     store = donors.DonorStore.load([donor_dir, packed])
     model, why = coverage.choose_layout(as_imported, store, target)
     assert model.layout == "nchwc" and why.startswith("packed donors cover all")
+    # a model without convs stays as it is, before any packing or extraction
+    bert = zoo.load(str(tiny_bert))
+    assert coverage.choose_layout(bert, store, target) == (bert, "no conv to pack") and not bert.kernel_cache
+    # nor is a model packed whose convs the packing mostly cannot reach (grouped ones)
+    model, why = coverage.choose_layout(as_imported, store, target, max_unpacked=-1)
+    assert model.layout == "nchw" and "have no packed form" in why
     # packed from the one import, and its kernels extracted once (recommend reuses them)
     assert model.onnx_model is as_imported.onnx_model and model.kernel_cache
     # leaving the network out leaves its packed set out too

@@ -61,12 +61,12 @@ def rank(model_or_kernel, k: int | None = None, *, store=None, ranker=None, targ
     return {kern.name: one(kern) for kern in extract(model.mod, target)}
 
 
-def recommend(model, *, input_shapes=None, fast_math: bool = True, layout: str = "nchw",
+def recommend(model, *, input_shapes=None, fast_math: bool = True, layout: str = "auto",
               **kwargs) -> Result:
     """Transfer-tune a model end to end; see :func:`ttrank.pipeline.recommend` for the options.
-    ``fast_math``, ``layout``: as in :func:`rank`; ``layout="auto"`` packs the convs of a model
-    as imported when the donor store covers every packed conv
-    (:func:`ttrank.coverage.choose_layout`).
+    ``fast_math``, ``layout``: as in :func:`rank`; ``layout="auto"`` (the default) packs the
+    convs of a model as imported when the packing reaches its convs and the donor store covers
+    every packed one (:func:`ttrank.coverage.choose_layout`).
 
     Returns a :class:`Result`: chosen schedules per kernel, the database path, the compiled
     module (``result.compiled``), latencies and the per-kernel report.

@@ -65,13 +65,14 @@ def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False) -> No
     # the default since fast math became it; kept so that earlier commands still run
     math.add_argument("--fast-math", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", choices=list(LAYOUTS) + (["auto"] if auto_layout else []),
-                   default="nchw",
+                   default="auto" if auto_layout else "nchw",
                    help="the convolutions' activation layout: nchw (as exported), nchwc (packed "
                         "convs blocked by the target's vector width, as onnxruntime's CPU "
                         "kernels) or nhwc; the model's inputs and outputs keep theirs. Schedules "
                         "transfer only between kernels of the same layout"
-                        + ("; auto: nchwc when the donor store has packed schedules for every "
-                           "packed conv of the model, else nchw" if auto_layout else ""))
+                        + ("; auto (the default): nchwc when the packing reaches the model's convs "
+                           "and the donor store has packed schedules for every one, else nchw"
+                           if auto_layout else " (default: nchw)"))
 
 
 def load_model_arg(args, target=None, layout: str | None = None):

@@ -545,6 +545,25 @@ def _imap(fn):
     return IndexMap.from_func(fn, index_dtype="int64")
 
 
+_CONV_OPS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d", "relax.nn.conv1d_transpose",
+             "relax.nn.conv2d_transpose")
+
+
+def count_unpacked_convs(mod) -> int:
+    """Convolutions still Relax ops (every packed one is a ``call_tir`` of a packed PrimFunc): on
+    an imported module, all of them; after :func:`pack_conv2d_nchwc`, the grouped, transposed
+    and 1-D/3-D convs it leaves as they were."""
+    ops = {ir.Op.get(name) for name in _CONV_OPS}
+    n = 0
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        for block in getattr(func.body, "blocks", []):
+            n += sum(1 for b in block.bindings
+                     if isinstance(b.value, relax.Call) and any(b.value.op.same_as(op) for op in ops))
+    return n
+
+
 def count_packed(mod) -> int:
     """Packed conv PrimFuncs in a module."""
     return sum(1 for gv in mod.functions if PACKED_CONV in gv.name_hint)
