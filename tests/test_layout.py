@@ -62,14 +62,14 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_
     store = donors.DonorStore.load([donor_dir, packed])
     model, why = coverage.choose_layout(as_imported, store, target)
     assert model.layout == "nchwc" and why.startswith("packed donors cover all")
+    # packed from the one import, and its kernels extracted once (recommend reuses them)
+    assert model.onnx_model is as_imported.onnx_model and model.kernel_cache
     # a model without convs stays as it is, before any packing or extraction
     bert = zoo.load(str(tiny_bert))
     assert coverage.choose_layout(bert, store, target) == (bert, "no conv to pack") and not bert.kernel_cache
     # nor is a model packed whose convs the packing mostly cannot reach (grouped ones)
     model, why = coverage.choose_layout(as_imported, store, target, max_unpacked=-1)
     assert model.layout == "nchw" and "have no packed form" in why
-    # packed from the one import, and its kernels extracted once (recommend reuses them)
-    assert model.onnx_model is as_imported.onnx_model and model.kernel_cache
     # leaving the network out leaves its packed set out too
     model, _ = coverage.choose_layout(as_imported, store, target, exclude_networks={"tiny_cnn"})
     assert model.layout == "nchw"
