@@ -324,7 +324,7 @@ class _Packer(PyExprMutator):
     def _elementwise(self, call):
         tensors = [a for a in call.args if isinstance(a.ty, relax.TensorType)]
         views = [v for a in tensors if (v := self._view_of(a)) is not None]
-        if not views or len(call.ty.shape) != 4 or str(call.ty.dtype) != "float32":
+        if not views or not _rank4(call) or str(call.ty.dtype) != "float32":
             return None
         block = views[0][1]
         channels = int(call.ty.shape[1])
@@ -358,7 +358,7 @@ class _Packer(PyExprMutator):
         a whole number of blocks: the packed tensors concatenated on the block axis."""
         parts = call.args[0]
         if not isinstance(parts, relax.Tuple) or call.attrs.axis is None or \
-                int(call.attrs.axis) % 4 != 1 or len(call.ty.shape) != 4:
+                int(call.attrs.axis) % 4 != 1 or not _rank4(call):
             return None
         views = [self._view_of(x) for x in parts.fields]
         if any(v is None for v in views) or len({v[1] for v in views}) != 1:
@@ -370,7 +370,7 @@ class _Packer(PyExprMutator):
     def _channel_slice(self, call):
         """A slice of whole blocks on the channel axis (a CSP split) of a view."""
         view = self._view_of(call.args[0])
-        if view is None or len(call.ty.shape) != 4:
+        if view is None or not _rank4(call):
             return None
         try:
             axes, begin, end, *rest = ([int(f.value) for f in t.fields] for t in call.args[1:])
@@ -390,7 +390,7 @@ class _Packer(PyExprMutator):
         """Upsampling (FPN, YOLO's neck) computed on the packed tensor."""
         view = self._view_of(call.args[0])
         a = call.attrs
-        if view is None or str(a.layout) != "NCHW" or len(call.ty.shape) != 4:
+        if view is None or str(a.layout) != "NCHW" or not _rank4(call):
             return None
         size = [int(d) for d in call.ty.shape.values[2:]]
         roi = [float(r) for r in a.roi] if getattr(a, "roi", None) is not None else None
@@ -406,7 +406,7 @@ class _Packer(PyExprMutator):
     def _spatial_reduction(self, call):
         view = self._view_of(call.args[0])
         a = call.attrs
-        if view is None or a.axis is None or not a.keepdims or len(call.ty.shape) != 4 or \
+        if view is None or a.axis is None or not a.keepdims or not _rank4(call) or \
                 sorted(int(x) % 4 for x in a.axis) != [2, 3]:
             return None
         op = {"relax.mean": relax.op.mean, "relax.sum": relax.op.sum, "relax.max": relax.op.max}[call.op.name]
@@ -483,6 +483,12 @@ class _Packer(PyExprMutator):
                                      dilation, "float32", primfunc_name_hint=PACKED_CONV))
             self.counts["wrapped"] += 1
         return self._unpack(out, ob)
+
+
+def _rank4(expr) -> bool:
+    """A 4-D tensor of static shape (views are NCHW activations)."""
+    shape = _static_shape(expr)
+    return shape is not None and len(shape) == 4
 
 
 def _pack_map(block: int):
