@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import math
 import re
 from collections.abc import Iterator
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
