@@ -144,7 +144,7 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     elsewhere = Ranker.load(trained).save(tmp_path / "elsewhere.json", data_cpus={"sapphirerapids": 9})
     rc = main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(elsewhere),
                "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
-               "--top-k", "2", "--tune-missing", "0", "--no-progress"])
+               "--top-k", "2", "--tune-missing", "0", "--time-untuned", "--no-progress"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "learned from measurements on sapphirerapids" in " ".join(out.out.split())

@@ -248,6 +248,43 @@ def test_wrong_result_is_rejected(tiny_cnn, target):
         m.close()
 
 
+def test_each_kernels_reference_outputs_are_computed_once_and_shared(tiny_cnn, target):
+    """Every candidate of a kernel is checked against the untuned kernel's outputs, which the
+    build workers compute once per kernel and keep (its outputs only, not its weights)."""
+    import numpy as np
+
+    model = frontend.load(tiny_cnn)
+    ks = {k.name: k for k in kernels.extract(model.mod, target)}
+    k = ks["fused_conv2d1_add_relu"]
+    m = measure.Measurer(target)
+    try:
+        res = m.measure([k.mod, k.mod, k.mod], reference=k.mod, reference_key=k.workload_hash)
+        assert [r.status for r in res] == ["ok"] * 3
+        saved = [f for f in os.listdir(os.path.join(m.builder.artifact_dir, "references"))
+                 if f.endswith(".npz")]
+        assert saved == [f"{k.workload_hash}.npz"]
+        with np.load(os.path.join(m.builder.artifact_dir, "references", saved[0])) as z:
+            n = int(z["n"])
+            assert n == len(k.input_shapes) + 1 and set(z.files) == {"n", f"a{n - 1}"}
+    finally:
+        m.close()
+
+
+def test_a_candidate_far_slower_than_its_kernels_best_gets_one_pass(tiny_cnn, target):
+    """After a batch's first pass, a candidate over SETTLE_FACTOR x the best already measured
+    for its kernel is not run again; the others get every pass."""
+    model = frontend.load(tiny_cnn)
+    k = next(k for k in kernels.extract(model.mod, target) if k.name == "fused_conv2d1_add_relu")
+    m = measure.Measurer(target)
+    try:
+        batch = ([k.mod, k.mod], None, lambda: [1e-9, None])  # a best nothing can come near
+        [res] = list(m.measure_stream([batch]))
+        assert res[0].ok and len(res[0].all_secs) == m.spec.repeat
+        assert res[1].ok and len(res[1].all_secs) == m.spec.repeat * m.spec.rounds
+    finally:
+        m.close()
+
+
 def test_hanging_build_times_out_without_stopping_the_batch(tiny_cnn, target):
     import tvm
 

@@ -436,7 +436,7 @@ def cmd_recommend(args) -> int:
             database_dir=args.database, runner=runner, data_dir=args.data_dir,
             exclude_networks=set(args.exclude_network or []), leave_one_out=args.leave_one_out,
             tune_missing=pipeline.TUNE_MISSING_SECONDS if args.tune_missing is None else args.tune_missing,
-            minor_share=args.minor_share, adaptive=not args.fixed_k,
+            minor_share=args.minor_share, adaptive=not args.fixed_k, time_untuned=args.time_untuned,
             measure_budget_s=args.measure_seconds if args.measure_seconds < float("inf") else None,
             on_progress=on_progress, on_note=con.print)
     _print_report(con, res)
@@ -662,6 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "3 minutes on 2 cores; 'inf' for no limit); candidates go by rank, every "
                         "kernel's first before any kernel's second, largest share of the model first")
     r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
+    r.add_argument("--time-untuned", action="store_true",
+                   help="also compile and time the untuned model (a few seconds; by default its "
+                        "latency is the sum of its measured kernels)")
     r.add_argument("--database", help="where to write the MetaSchedule database (default: beside -o)")
     r.add_argument("--ranker", help="ranker file (default: models/ranker.json)")
     r.add_argument("--donors", nargs="+", help="donor work_dirs (default: datasets/donors/* and added)")

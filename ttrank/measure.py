@@ -25,6 +25,7 @@ from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 from .errors import DeviceError
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, one_cpu, probe
 from .target import cross_compiler, host_cores, host_target_dict, host_triple, provenance
+from .util import file_lock
 
 log = logging.getLogger("ttrank")
 
@@ -33,6 +34,12 @@ TRACKER_TIMEOUT_S = 10.0
 # While a candidate runs over RPC, how often the tracker is asked whether a device is left:
 # a session request to a tracker that has no device for the key waits forever.
 DEVICE_POLL_S = 3.0
+
+# After the first pass over a batch, a candidate slower than this many times the best latency
+# already known for its kernel is not run again: its later passes could not make it the winner
+# (one pass varies by well under 1.5x: bench/results/measure_noise.json), and they were a third
+# of recommend's run time.
+SETTLE_FACTOR = 1.5
 
 # Test hook: a build whose module has this attribute sleeps, to prove timeouts work.
 HANG_ATTR = "ttrank.test_hang_seconds"
@@ -83,37 +90,75 @@ def _random_args(func, seed: int = 0):
     return arrays
 
 
-_REFERENCE_CACHE: dict[str, list] = {}
-_REFERENCE_CACHE_SIZE = 4
+def _written(func) -> list[int]:
+    """Indices of the parameters ``func`` writes (its outputs); every index when none is found
+    (a function without blocks), so a check then compares them all."""
+    from tvm import s_tir
+
+    params = list(func.params)
+    try:
+        sch = s_tir.Schedule(func)
+        blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    except Exception:  # noqa: BLE001 - no root block: compare everything
+        return list(range(len(params)))
+    # TVM 0.27's TIR: a parameter is its buffer's variable, and a block's writes name it
+    writes = [r.source for blk in blocks for r in blk.writes]
+    out = [i for i, p in enumerate(params) if any(p.same_as(w) for w in writes)]
+    return out or list(range(len(params)))
 
 
-def _run_host(mod, seed: int = 0, built=None):
-    """Build for the host (or take ``built``) and run on deterministic inputs; returns every
-    argument after the call."""
+def _run_host(mod, seed: int = 0, built=None) -> tuple[list, list]:
+    """Build for the host (or take ``built``, a compiled or loaded module) and run on
+    deterministic inputs: (the inputs as made, every argument after the call)."""
     import tvm
 
     func = mod[[gv for gv in mod.functions][0]]
     rt = built if built is not None else tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
     dev = tvm.cpu()
-    args = [tvm.runtime.tensor(a, dev) for a in _random_args(func, seed)]
-    rt(*args)
-    return [a.numpy() for a in args]
+    inputs = _random_args(func, seed)
+    args = [tvm.runtime.tensor(a, dev) for a in inputs]
+    # tvm.compile gives an Executable (JIT on first call), load_module a Module
+    (rt.jit() if isinstance(rt, tvm.runtime.Executable) else rt).main(*args)
+    return inputs, [a.numpy() for a in args]
 
 
-def _check_against(mod, ref_mod, ref_key: str, rtol: float, atol: float,
-                   built=None) -> float | None:
-    """Max abs error of ``mod`` against ``ref_mod`` on the same inputs; None if they agree."""
+def _reference(ref_mod, ref_key: str, refs_dir: str) -> tuple[int, dict[int, Any]]:
+    """The untuned kernel's argument count, and its outputs on the deterministic inputs by
+    parameter index: computed once per kernel and kept in ``refs_dir`` for every build worker
+    (each candidate of the kernel is checked against them; recomputing them per candidate was
+    half the build time)."""
     import numpy as np
 
-    ref = _REFERENCE_CACHE.pop(ref_key, None)
-    if ref is None:
-        ref = _run_host(ref_mod)
-    _REFERENCE_CACHE[ref_key] = ref  # most recent last
-    while len(_REFERENCE_CACHE) > _REFERENCE_CACHE_SIZE:  # a few kernels at a time: memory stays flat
-        _REFERENCE_CACHE.pop(next(iter(_REFERENCE_CACHE)))
-    got = _run_host(mod, built=built)
+    path = os.path.join(refs_dir, f"{ref_key}.npz")
+    with file_lock(path):  # one worker computes, the other waits for it
+        if os.path.exists(path):
+            with np.load(path, allow_pickle=False) as z:
+                return int(z["n"]), {int(k[1:]): z[k] for k in z.files if k != "n"}
+        func = ref_mod[[gv for gv in ref_mod.functions][0]]
+        _, after = _run_host(ref_mod)
+        out = {i: after[i] for i in _written(func)}
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, n=len(after), **{f"a{i}": a for i, a in out.items()})
+        os.replace(tmp, path)
+        return len(after), out
+
+
+def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol: float,
+                   built=None) -> float | None:
+    """Max abs error of ``mod`` against ``ref_mod`` on the same inputs; None if they agree
+    (another signature never does). An argument the reference does not write must come out
+    as it went in."""
+    import numpy as np
+
+    n, ref = _reference(ref_mod, ref_key, refs_dir)
+    inputs, got = _run_host(mod, built=built)
+    if len(got) != n:
+        return float("inf")
     worst, bad = 0.0, False
-    for g, r in zip(got, ref):
+    for i, g in enumerate(got):
+        r = ref.get(i, inputs[i])
+        if g.shape != r.shape:
+            return float("inf")
         if g.dtype.kind != "f":
             bad = bad or not np.array_equal(g, r)
             continue
@@ -130,22 +175,27 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     """Build for measurement, and check the result against the reference (pool worker).
 
     ``run_here``: the target runs on this host, so when the measured build is the checked
-    program (no weight-layout rewrite to strip) it is compiled once and run for the check.
+    program (no weight-layout rewrite to strip) it is compiled once, exported, and the exported
+    library is what the check runs (LLVM generates code once: a JIT run before the export
+    would generate it twice).
     """
     import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     if ref_mod is None:
         return _build_export(mod, target, artifact_dir), None
+    refs_dir = os.path.join(artifact_dir, "references")
     if run_here:
         stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
         if _same_program(stripped, mod):
-            rt = tvm.compile(mod, target=target)
-            wrong = _check_against(mod, ref_mod, ref_key, rtol, atol, built=rt)
+            path = _export(tvm.compile(mod, target=target), artifact_dir, target)
+            wrong = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol,
+                                   built=tvm.runtime.load_module(path))
             if wrong is not None:
+                _rm(path)
                 return None, wrong
-            return _export(rt, artifact_dir, target), None
-    wrong = _check_against(mod, ref_mod, ref_key, rtol, atol)
+            return path, None
+    wrong = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol)
     if wrong is not None:
         return None, wrong
     return _build_export(mod, target, artifact_dir), None
@@ -452,28 +502,35 @@ class Measurer:
             return []
         return self._run(mods, self._build(mods, reference, reference_key, references))
 
-    def measure_stream(self, batches: Iterable[tuple[list, list[tuple[Any, str]] | None]],
-                       stop: Callable[[], bool] | None = None) -> Iterator[list[Measurement]]:
-        """Measure batches of (modules, references), one result list per batch, in order.
+    def measure_stream(self, batches: Iterable[tuple], stop: Callable[[], bool] | None = None
+                       ) -> Iterator[list[Measurement]]:
+        """Measure batches of (modules, references[, known]), one result list per batch, in order.
 
-        The next batch is built while this one runs, so a fleet of devices does not wait for
-        the host's builds; a candidate is built once, whichever device runs it. The next
-        batch is taken from ``batches`` before this one runs. ``stop`` (a budget) is asked
+        Over RPC the next batch is built while this one runs, so a fleet of devices does not
+        wait for the host's builds (then the next batch is taken from ``batches`` before this
+        one runs); a candidate is built once, whichever device runs it. ``stop`` (a budget) is asked
         before every batch but the first runs: once it says so, nothing more runs.
+        ``known()``, asked after a batch's first pass, gives per module the best latency
+        already measured for its kernel (or None): a module over :data:`SETTLE_FACTOR` times
+        that is settled after one pass.
         """
         it = iter(batches)
+        # Locally, the candidates run on the cores that build: a build beside a run slows it
+        # and skews its timing, and saves no time when both saturate the cores (the sum of the
+        # work is the same). So the next batch is built ahead only for remote devices.
+        ahead = self.spec.kind != "local"
 
         def start(ex: ThreadPoolExecutor):
             job = next(it, None)
             if job is None:
                 return None
-            mods, refs = job
-            return mods, ex.submit(self._build, mods, None, "", refs) if mods else None
+            mods, refs, *known = job
+            return mods, (known or [None])[0], ex.submit(self._build, mods, None, "", refs) if mods else None
 
         with ThreadPoolExecutor(1, thread_name_prefix="ttrank-build-ahead") as ex:
             nxt, first = start(ex), True
             while nxt is not None:
-                mods, fut = nxt
+                mods, known, fut = nxt
                 t0 = time.time()
                 built = fut.result() if fut is not None else []
                 self.seconds["build_wait"] += time.time() - t0
@@ -483,8 +540,13 @@ class Measurer:
                             _rm(value)
                     return
                 first = False
-                nxt = start(ex)
-                yield self._run(mods, built) if mods else []
+                if ahead:
+                    nxt = start(ex)
+                    yield self._run(mods, built, known) if mods else []
+                else:
+                    results = self._run(mods, built, known) if mods else []
+                    nxt = start(ex)
+                    yield results
 
     def _build(self, mods: list, reference=None, reference_key: str = "",
                references: list[tuple[Any, str]] | None = None) -> list[tuple[str, Any]]:
@@ -499,7 +561,8 @@ class Measurer:
         self.seconds["build"] += time.time() - t0
         return built
 
-    def _run(self, mods: list, built: list[tuple[str, Any]]) -> list[Measurement]:
+    def _run(self, mods: list, built: list[tuple[str, Any]],
+             known: Callable[[], list[float | None]] | None = None) -> list[Measurement]:
         from tvm.s_tir.meta_schedule.runner import RunnerInput
 
         out: list[Measurement | None] = [None] * len(mods)
@@ -522,9 +585,14 @@ class Measurer:
         order = list(range(len(inputs)))
         rng = random.Random(len(inputs))
         lost: dict[int, str] = {}  # RPC: the device went away mid-run; the next pass retries
+        settled: set[int] = set()  # far slower than its kernel's best after one pass
         runs = 0
         for rnd in range(max(1, self.spec.rounds)):
-            live = [j for j in order if idx[j] not in errors]
+            if rnd == 1 and known is not None:
+                for i, best in enumerate(known()):
+                    if best is not None and secs.get(i) and min(secs[i]) > SETTLE_FACTOR * best:
+                        settled.add(i)
+            live = [j for j in order if idx[j] not in errors and idx[j] not in settled]
             if not live:
                 break
             resize = getattr(self.runner, "resize", None)

@@ -109,7 +109,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
               runner: RunnerSpec | None = None, data_dir: str | Path | None = None,
               exclude_networks=frozenset(), leave_one_out: bool = False,
               tune_missing: float = TUNE_MISSING_SECONDS, check: bool = True, time_model: bool = True,
-              untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
+              time_untuned: bool = False, untuned_run_limit_s: float = 15.0, minor_share: float = 0.002,
               measure_budget_s: float | None = None, on_progress: Progress | None = None,
               on_note: Callable[[str], None] | None = None, policy: FixedK | None = None,
               adaptive: bool = True) -> Result:
@@ -128,6 +128,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     collector's format, so ``ttrank train`` learns from them), and a rerun reuses them.
     ``leave_one_out``: ignore the donors of the model's own network, and refit the ranker
     without its measurements (for evaluation). ``on_note`` receives one-line notes for the user.
+    ``time_untuned``: also compile and time the untuned model (else the sum of its measured
+    kernels stands in, as the report says).
     """
     t_start = time.time()
     note = on_note or (lambda line: None)
@@ -214,7 +216,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     t_compile = time.time() - t0
 
     # another architecture (compiled is None): the host can neither load the model nor time it
-    lat = (_time(model, target, compiled, reports, untuned_run_limit_s, progress)
+    lat = (_time(model, target, compiled, reports, untuned_run_limit_s if time_untuned else 0.0, progress)
            if time_model and compiled is not None else {})
     return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
                   max_err, {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
@@ -345,12 +347,24 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
     chunk = MEASURE_CHUNK
     parts: list[list] = []  # chunks handed to the measurer, not yet measured
     measured = 0
+    best: dict[str, float] = {}  # per kernel, the fastest correct latency measured so far
+
+    def note_best(k: Kernel, r: dict | None) -> None:
+        if r is not None and r["status"] == "ok" and r["latency_s"]:
+            best[k.name] = min(best.get(k.name, r["latency_s"]), r["latency_s"])
+
+    for k in kernels:
+        for p in picks[k.name] or []:
+            note_best(k, p.row)
 
     def chunks():
         for s in range(0, len(todo), chunk):
-            parts.append(todo[s:s + chunk])
-            yield ([p.transferred.mod for _, p, _ in parts[-1]],
-                   [(k.mod, k.workload_hash) for k, _, _ in parts[-1]])
+            part = todo[s:s + chunk]
+            parts.append(part)
+            # asked after the chunk's first pass: a candidate far slower than its kernel's best
+            # so far gets no more passes (Measurer.measure_stream)
+            yield ([p.transferred.mod for _, p, _ in part], [(k.mod, k.workload_hash) for k, _, _ in part],
+                   lambda part=part: [best.get(k.name) for k, _, _ in part])
 
     # each chunk builds while the one before it runs; the budget is asked before each but the
     # first runs (a chunk built ahead is then dropped unrun)
@@ -368,6 +382,7 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
                 p.transferred, untuned_s=reports[k.name].untuned_s, scores=(c.score, c.cost_score),
                 target_key=stamp["target_key"], devices=m.devices)  # devices: a fleet's, that ran it
             rows.append(r)
+            note_best(k, r)
         append_jsonl(table, rows)
         if on_batch:
             on_batch(fresh, measured)
@@ -481,24 +496,30 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
     database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db)
     ex = compile_model(model, target, database)
     foreign = is_foreign(target)
-    compiled = None if foreign else CompiledModel.from_executable(ex, model)
-    max_err = None
-    if check and not foreign:
-        res = check_against_onnxruntime(compiled, model)
-        max_err = res.max_abs_error
-        if not res.ok:
-            culprits = _find_culprits(model, target, db_dir, [k for k in kernels if k.name in chosen],
-                                      chosen, reports)
-            shutil.rmtree(staged, ignore_errors=True)
-            raise CheckError(f"compiled outputs differ from onnxruntime (max abs error "
-                             f"{res.max_abs_error:.3g}); kernels at fault: {', '.join(culprits)}; "
-                             f"no database or library was written")
     moves = [(staged, db_dir)]
     try:
-        if output:
-            moves.append((export_staged(ex, output, target), Path(output)))
+        # the library is exported first and the check runs on it: LLVM emits the machine code
+        # once (a JIT for the check and an export after it emitted it twice: 5 s for ResNet-50)
+        lib = export_staged(ex, output, target) if output else None
+        if lib is not None:
+            moves.append((lib, Path(output)))
+        compiled = None
+        if not foreign:
+            compiled = CompiledModel.load(lib, model) if lib else CompiledModel.from_executable(ex, model)
+        max_err = None
+        if check and not foreign:
+            res = check_against_onnxruntime(compiled, model)
+            max_err = res.max_abs_error
+            if not res.ok:
+                culprits = _find_culprits(model, target, db_dir, [k for k in kernels if k.name in chosen],
+                                          chosen, reports)
+                raise CheckError(f"compiled outputs differ from onnxruntime (max abs error "
+                                 f"{res.max_abs_error:.3g}); kernels at fault: {', '.join(culprits)}; "
+                                 f"no database or library was written")
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
+        for src, _ in moves[1:]:
+            Path(src).unlink(missing_ok=True)
         raise
     commit_moves(moves, _commit_plan(db_dir))
     return compiled, max_err
@@ -506,8 +527,9 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
 
 def _time(model: LoadedModel, target, compiled: CompiledModel, reports: dict[str, KernelReport],
           untuned_run_limit_s: float, progress: Progress) -> dict:
-    """Whole-model latency: tuned and onnxruntime in alternation; the untuned model timed once
-    when that is cheap, else the sum of its kernels stands in."""
+    """Whole-model latency: tuned and onnxruntime in alternation; the untuned model compiled and
+    timed once when its kernels say that takes under ``untuned_run_limit_s``, else the sum of
+    its kernels (measured anyway) stands in."""
     feed = model.random_inputs()
     lat: dict = {"untuned_estimated_from_kernels": 1e3 * sum(
         r.weight * r.untuned_s for r in reports.values() if r.untuned_s)}
