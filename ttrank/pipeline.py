@@ -29,6 +29,7 @@ from .ranker import Ranker, data_cpus
 from .ranking import Candidate, FixedK, Pick, SecondStage, policy_of, rank_kernel, shortlist
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
+from .space import SPACE_NETWORK, space_candidates
 from .target import cpu_description, host_mcpu, is_foreign, make_target, provenance, target_key
 from .training import ranker_without
 from .transfer import Transferred, transfer
@@ -290,12 +291,16 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
                ) -> tuple[list[Pick] | None, float]:
     """The kernel's candidates to measure (as many as ``policy`` gives it for the ranker's
     scores and its share of the untuned model), and that share; None when it has no candidate."""
-    if not ranked:
-        rep.why = "no compatible donor schedule"
-        return None, 0.0
     total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
     share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
     rep.top_k = policy.bound(share)
+    if not ranked:
+        rep.why = "no compatible donor schedule"
+        # MetaSchedule's design space stands in (parallel, vectorised): it is measured like a
+        # donor's schedule, and kept only if it beats the default
+        ranked, stage2 = space_candidates(k, target, rep.top_k), None
+        if not ranked:
+            return None, 0.0
     rep.k = policy.k([c.score for c in ranked], share)
 
     def known(c: Candidate) -> dict | None:  # measured by an earlier run: counts, not again
@@ -443,7 +448,9 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
     on the devices, with tune's own runner settings. Returns that database, or None."""
     # a kernel some donor was tuned on (this one's own earlier run, say) is not tuned again
     tuned_before = {w.kernel.workload_hash for w in store.workloads if w.network not in exclude_networks}
-    done = set(chosen) | {k.name for k in kernels if k.workload_hash in tuned_before}
+    # a design-space sample is a start, not a tuned schedule: a big share still gets searched
+    done = ({n for n, t in chosen.items() if t.donor.network != SPACE_NETWORK}
+            | {k.name for k in kernels if k.workload_hash in tuned_before})
     plans = plan_missing(kernels, {n: r.best_s for n, r in reports.items()}, done, budget_s=budget_s)
     extra_db = None
     work = tuned_here_dir(model.name, model.layout)

@@ -1,0 +1,66 @@
+"""Design-space candidates: schedules for a kernel that no donor covers, sampled from
+MetaSchedule's own design space for the target (its post-order-apply rules: what a tuning run
+starts from, before any search).
+
+They enter the pipeline as donor records of the kernel itself (network ``design-space``), so
+they are shortlisted, replayed, checked, measured and chosen like any donor's. A kernel nothing
+covers (an elementwise op in a layout no donor saw, a new reduction) is then parallelised and
+vectorised instead of running TVM's single-threaded default; the kernels that still hold a large
+share of the model go on to ``recommend``'s own MetaSchedule search.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+from .donors import DonorRecord, DonorWorkload
+from .kernels import Kernel
+from .ranking import Candidate
+from .target import cpu_tensor_intrinsics
+
+SPACE_NETWORK = "design-space"
+
+log = logging.getLogger("ttrank")
+
+
+def space_candidates(kernel: Kernel, target, n: int = 3, seed: int = 0) -> list[Candidate]:
+    """Up to ``n`` distinct schedules of ``kernel`` drawn from the target's design space (fewer
+    when it holds fewer: an elementwise kernel's has one). Deterministic for a ``seed``, so a
+    rerun finds its earlier measurements of them."""
+    from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a kernel needs it
+
+    workload = ms.database.Workload(kernel.mod)
+    donor = DonorWorkload(SPACE_NETWORK, kernel, workload.as_json(), source=SPACE_NETWORK, _mod=kernel.mod)
+    seen: set[str] = set()
+    try:
+        _draw(kernel, workload, target, n, seed, donor, seen)
+    except Exception as e:  # noqa: BLE001 - a kernel MetaSchedule cannot schedule keeps its default
+        log.debug("no design space for %s: %s", kernel.name, e)
+    # no ranker score: they are measured in the order drawn
+    return [Candidate(kernel, donor, r, 0.0) for r in donor.records]
+
+
+def _draw(kernel: Kernel, workload, target, n: int, seed: int, donor: DonorWorkload, seen: set[str]) -> None:
+    from tvm.s_tir import meta_schedule as ms
+
+    with cpu_tensor_intrinsics(target):
+        for draw in range(2 * n):  # a draw can repeat an earlier one: a few more draws
+            if len(donor.records) >= n:
+                break
+            ctx = ms.TuneContext(mod=kernel.mod, target=target, space_generator="post-order-apply",
+                                 task_name=kernel.name, rand_state=seed + draw + 1, num_threads=1)
+            for sch in ctx.generate_design_space():
+                # the trace as a database line holds it (a donor record's form)
+                trace = ms.database.TuningRecord(sch.trace, workload).as_json()[0]
+                text = json.dumps(trace, sort_keys=True)
+                if text in seen or len(donor.records) >= n:
+                    continue
+                seen.add(text)
+                rank = len(donor.records)
+                donor.records.append(DonorRecord(
+                    id=f"{SPACE_NETWORK}/{kernel.workload_hash}/{rank}", network=SPACE_NETWORK,
+                    kernel=kernel.name, workload_key=donor.key, rank=rank, latency_s=math.nan,
+                    trace_json=trace, target=str(target)))
+
