@@ -58,7 +58,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 from tvm import relax, s_tir
 from tvm.s_tir import meta_schedule as ms
