@@ -296,9 +296,10 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     rep.top_k = policy.bound(share)
     if not ranked:
         rep.why = "no compatible donor schedule"
-        # MetaSchedule's design space stands in (parallel, vectorised): it is measured like a
-        # donor's schedule, and kept only if it beats the default
-        ranked, stage2 = space_candidates(k, target, rep.top_k), None
+        # MetaSchedule's design space stands in (parallel, vectorised): samples of it, ordered
+        # by the second stage's cost model when there is one, are measured like a donor's
+        # schedules and kept only if one beats the default
+        ranked = space_candidates(k, target, max(rep.top_k, stage2.shortlist if stage2 else 0))
         if not ranked:
             return None, 0.0
     rep.k = policy.k([c.score for c in ranked], share)
