@@ -187,7 +187,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
 
     # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
     # candidates of all kernels go through the builder together, in chunks, so both build
-    # workers stay busy; each chunk builds while the one before it runs, and each chunk's rows
+    # workers stay busy; over RPC each chunk builds while the one before it runs (locally the
+    # builds would skew the timed runs: Measurer.measure_stream), and each chunk's rows
     # are appended as it finishes (Ctrl-C keeps them).
     t0 = time.time()
     stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
@@ -372,8 +373,8 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
             yield ([p.transferred.mod for _, p, _ in part], [(k.mod, k.workload_hash) for k, _, _ in part],
                    lambda part=part: [best.get(k.name) for k, _, _ in part])
 
-    # each chunk builds while the one before it runs; the budget is asked before each but the
-    # first runs (a chunk built ahead is then dropped unrun)
+    # the budget is asked before each chunk but the first runs (over RPC, a chunk built ahead
+    # is then dropped unrun)
     def over() -> bool:
         return STOP_REQUESTED.is_set() or (budget_s is not None and time.time() - t0 > budget_s)
 
