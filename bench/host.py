@@ -13,7 +13,8 @@ shipped data only and after `ttrank adapt`, in one resumable run.
 
 Each recommend times its compiled model in alternation with onnxruntime (its own
 ``model_latency_ms``). Results go to bench/results/host.json after every step; a rerun skips what
-is done for this CPU. The caches live under bench/work/host/<mcpu>/.
+is done for this CPU; other CPUs' results are kept under ``other_cpus``. The caches live under
+bench/work/host/<mcpu>/.
 
 ``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
 ``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
@@ -102,7 +103,13 @@ def main() -> int:
     mcpu = host_mcpu()
     work = Path(__file__).resolve().parent / "work" / "host" / mcpu
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
+    # the top level is this CPU's; every other CPU's results stay, under other_cpus
+    others = old.pop("other_cpus", {})
+    if old.get("cpu") and old["cpu"] != mcpu:
+        others[old["cpu"]] = old
+        old = others.pop(mcpu, {})
     res = old if old.get("cpu") == mcpu and not args.force else {"cpu": mcpu}
+    res["other_cpus"] = others
     res.setdefault(shipped, {"networks": {}})
     res.setdefault(adapted_phase, {"networks": {}})
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None

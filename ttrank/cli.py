@@ -20,7 +20,7 @@ from .errors import BusyError, CheckError, OutputError, TTRankError
 from .evaluate import KEYS, PAPER_PAIRING
 from .frontend import onnx_complaint
 from .layouts import LAYOUTS
-from .measure import Measurer, RunnerSpec
+from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .pipeline import MEASURE_SECONDS
 from .ranker import Ranker
 from .target import cross_compiler, machine_busy, make_target
@@ -402,7 +402,8 @@ def cmd_recommend(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     con = _console()
-    runner = _runner_spec(args)  # a tracker that is down says so before any work
+    # a tracker that is down says so before any work
+    runner = _runner_spec(args, **({} if args.warm_cache else COLD_CACHE))
     target = _make_target(args, runner)
     ranker = Ranker.load(args.ranker)
     # schedules tuned on another CPU still transfer (every candidate is re-measured here)
@@ -662,6 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "3 minutes on 2 cores; 'inf' for no limit); candidates go by rank, every "
                         "kernel's first before any kernel's second, largest share of the model first")
     r.add_argument("--json", metavar="REPORT.json", help="write the report for machines")
+    r.add_argument("--warm-cache", action="store_true",
+                   help="time candidates with warm caches, repeated back to back, as MetaSchedule "
+                        "tunes (default: each run starts with the kernel's weights and outputs "
+                        "flushed from the caches, as they are inside the model)")
     r.add_argument("--time-untuned", action="store_true",
                    help="also compile and time the untuned model (a few seconds; by default its "
                         "latency is the sum of its measured kernels)")

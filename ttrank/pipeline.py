@@ -23,7 +23,7 @@ from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
 from .frontend import LoadedModel
 from .kernels import Kernel, model_kernels
-from .measure import Measurer, RunnerSpec
+from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
 from .ranking import Candidate, FixedK, Pick, SecondStage, policy_of, rank_kernel, shortlist
@@ -139,7 +139,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         if on_progress:
             on_progress(phase, done, total, info)
 
-    runner = runner or RunnerSpec()
+    runner = runner or RunnerSpec(**COLD_CACHE)
     # over RPC, by default the target the devices report (their CPU, not the host's)
     target = target if target is not None else make_target(runner.target() if runner.kind == "rpc" else None)
     store = store if store is not None else DonorStore.load()
@@ -160,6 +160,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     top_k = policy.max_k
     # the measuring machine's CPU: over RPC, what the devices report, never the host's
     prov = compact_provenance(runner.provenance(target))
+    if runner.cache_flush:  # cold-cache latencies are not warm ones: rows say which they are
+        prov["cache_flush"] = True
     cpu = cpu_description(prov)  # what the ranker's CPU features read
     tkey = target_key(target)
     data_dir = Path(data_dir) if data_dir else cache_dir() / "data"
@@ -169,7 +171,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # a run killed while replacing these outputs left its plan: finish it, so they agree again
     finish_moves(_commit_plan(db_dir))
     rows = {measurements.key(r): r for r in read_jsonl(table)}  # the last row of a key counts
-    cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
+    cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)
+              and bool((r.get("provenance") or {}).get("cache_flush")) == runner.cache_flush}
 
     # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
     # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
