@@ -189,6 +189,16 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
                            database_dir=tmp_path / "db2", time_model=False, tune_missing=0)
     assert len(table.read_text().splitlines()) == n
     assert res.max_abs_error_vs_onnxruntime < 1e-3
+    # candidates were timed with cold caches, as inside the model, and the rows say so: a run
+    # that times them warm (MetaSchedule's protocol) measures them again, in rows of its own
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    assert all(row["provenance"]["cache_flush"] for row in rows)
+    ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
+                     ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
+                     database_dir=tmp_path / "db3", time_model=False, tune_missing=0,
+                     runner=measure.RunnerSpec())
+    warm = [json.loads(line) for line in table.read_text().splitlines()[n:]]
+    assert len(warm) >= len(tuned) and not any(row["provenance"].get("cache_flush") for row in warm)
 
 
 def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_cnn, tmp_path,

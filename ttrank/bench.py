@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import locations
+from .collect import import_tables
 from .convergence import finished_run
 from .donors import DonorStore
 from .programs import cost_model_path, cost_model_without
@@ -137,4 +138,19 @@ def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = F
     print(proc.stdout[-4000:])
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    keep_measurements(tmp / "data" / "measurements")
     return json.loads(rep_path.read_text()), wall, paused, cmd
+
+
+def kept_measurements_dir() -> Path:
+    """Where benchmark runs leave what they measured (bench/work/measurements, not committed):
+    every CPU a benchmark runs on is training data; ``ttrank import-measurements`` this folder
+    into datasets/measurements to keep it (the ranker's data changes only when you choose)."""
+    return locations.data_home() / "bench" / "work" / "measurements"
+
+
+def keep_measurements(src: Path) -> None:
+    """Add a run's measurement tables to :func:`kept_measurements_dir` (rows already there
+    are skipped)."""
+    if any(src.glob("*.jsonl")):
+        import_tables(src, kept_measurements_dir())

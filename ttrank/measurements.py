@@ -49,8 +49,9 @@ def key(r: dict) -> tuple[str, str]:
 
 
 def machine_of(prov: dict) -> tuple:
-    """What a latency depends on besides the program: the CPU and the runtime's threads."""
-    return prov.get("mcpu"), prov.get("cores"), prov.get("threads")
+    """What a latency depends on besides the program: the CPU, the runtime's threads, and
+    whether each run began with cold caches (recommend's protocol) or warm (MetaSchedule's)."""
+    return prov.get("mcpu"), prov.get("cores"), prov.get("threads"), bool(prov.get("cache_flush"))
 
 
 def is_current(r: dict, record) -> bool:

@@ -171,8 +171,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # a run killed while replacing these outputs left its plan: finish it, so they agree again
     finish_moves(_commit_plan(db_dir))
     rows = {measurements.key(r): r for r in read_jsonl(table)}  # the last row of a key counts
-    cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)
-              and bool((r.get("provenance") or {}).get("cache_flush")) == runner.cache_flush}
+    cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
 
     # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
     # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
