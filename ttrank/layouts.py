@@ -23,8 +23,8 @@ ReLU and residual adds), the 5-D convs are legalized here to a TE packed conv
 output-channel block innermost, the loop a vector FMA wants), the convs ``ConvertLayout`` skips
 are packed too, what it leaves NCHW between packed tensors (pools, ReLU6, squeeze-excitation,
 splits, concats, resizes) is computed packed, and activation layout transforms become gathers
-(injective, so they fuse). Weight (and bias) transforms act on constants and ``FoldConstant``
-folds them at compile time. The module keeps its NCHW interface, so ttrank's fusion pipeline,
+(injective, so they fuse). Weight (and bias) transforms act on constants and are folded into
+packed constants at once (:func:`fold_constant_transforms`). The module keeps its NCHW interface, so ttrank's fusion pipeline,
 ``tune``, ``extract_tasks`` (which then yields ``fused_conv2d_NCHWc_add_relu`` and such) and
 ``compile_relax`` work unchanged.
 """
@@ -40,6 +40,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import codegen
 from tvm.tirx import IndexMap
 
+from .graphopt import fold_constant_transforms
 from .target import make_target
 
 log = logging.getLogger("ttrank")
@@ -174,7 +175,7 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
        upsampling) is computed packed too (:class:`_Packer`), so a network's activations are
        transformed only at its input and outputs, and where an op has no packed form.
     5. Layout transforms of activations become gathers (:func:`_te_gather_transform`) that can
-       fuse; transforms of constants are left for ``FoldConstant``.
+       fuse; transforms of constants are folded (:func:`fold_constant_transforms`).
 
     ``stats`` (a dict) receives the counts: propagated, wrapped, depthwise, transforms, sunk.
     """
@@ -185,6 +186,7 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
         with tvm.transform.PassContext(opt_level=3):
             mod = relax.transform.ConvertLayout(
                 {"relax.nn.conv2d": [f"NCHW{lanes}c", f"OIHW{lanes}i{lanes}o"]})(mod)
+    mod = fold_constant_transforms(mod)  # biases reshaped to [1, C, 1, 1] are constants then
     counts = {"propagated": 0, "wrapped": 0, "depthwise": 0, "transforms": 0, "sunk": 0}
     packer = _Packer(mod, lanes, counts, depthwise)
     for gv, func in list(mod.functions.items()):
@@ -193,7 +195,7 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
     out = packer.builder_.get()
     # the NCHW views that every consumer now reads packed are dead; one transform per tensor
     out = relax.transform.DeadCodeElimination()(relax.transform.Normalize()(out))
-    out = relax.transform.EliminateCommonSubexpr()(out)
+    out = fold_constant_transforms(relax.transform.EliminateCommonSubexpr()(out))
     log.info("pack_conv2d_nchwc (lanes %d): %s", lanes, counts)
     if stats is not None:
         stats.update(counts)
@@ -272,12 +274,13 @@ class _Packer(PyExprMutator):
 
     def _pack(self, x, block: int):
         """``x`` (NCHW) in blocks of ``block`` channels: the packed tensor of a view, else a
-        transform (a gather; on constants, a layout_transform that FoldConstant folds)."""
+        transform (a gather; on constants, a layout_transform that is folded at the end)."""
         view = self._view_of(x)
         if view is not None and view[1] == block:
             return view[0]
-        if isinstance(x, (ir.Constant, ir.GenericConst)):
-            return self.builder_.emit(relax.op.layout_transform(x, _pack_map(block)))
+        const = self.lookup_binding(x) if isinstance(x, relax.Var) else x
+        if isinstance(const, (ir.Constant, ir.GenericConst)):
+            return self.builder_.emit(relax.op.layout_transform(const, _pack_map(block)))
         return self.builder_.emit(_gather(self.builder_, x, _pack_map(block)))
 
     def _operand(self, x, block: int, channels: int):
@@ -579,7 +582,8 @@ def to_nhwc(mod):
     """Relax's own layout conversion: every conv2d in NHWC/OHWI (transforms at the edges)."""
 
     with tvm.transform.PassContext(opt_level=3):
-        return relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod)
+        return fold_constant_transforms(
+            relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod))
 
 
 # layout name -> the pass that puts a module's convs in it (given the target, for vector lanes)
