@@ -11,6 +11,8 @@ what each lever buys against onnxruntime's own time for the same node:
                extraction, MetaSchedule's ``RewriteLayout`` postprocessor picks the weight layout);
 - ``nhwc``     Relax ``ConvertLayout`` to NHWC/OHWI before fusion;
 - ``nchwc``    :func:`ttrank.layouts.pack_conv2d_nchwc`: packed NCHW[x]c convs (x86 style);
+- ``nchwc8``   the same with blocks of 8 channels (AVX2's float lanes) where ``nchwc`` packs
+               by 16 (the shipped packed donors' block), to see which block an AVX2 CPU wants;
 - ``threads1`` tuned with one runtime thread (as the v1 donors were), then re-measured on all;
 - ``gap``      per network (ResNet-18, MobileNetV2): the whole network tuned at ``--gap-trials``
                per kernel, then the compiled model's time against the weighted sum of its kernel
@@ -105,10 +107,10 @@ KERNELS: dict[str, dict] = {
                   op=dict(kind="dense", seq=256, cin=768, cout=768),
                   about="BERT-base dense 768->768 at sequence 256, bias (Q/K/V projections)"),
 }
-KERNEL_LEVERS = ("depth", "nchwc", "prepack", "nhwc", "threads1")
+KERNEL_LEVERS = ("depth", "nchwc", "nchwc8", "prepack", "nhwc", "threads1")
 NETWORK_LEVERS = ("gap", "gap_nchwc")
 LEVERS = KERNEL_LEVERS + NETWORK_LEVERS
-CONV_ONLY = ("nchwc", "nhwc")
+CONV_ONLY = ("nchwc", "nchwc8", "nhwc")
 GAP_NETWORKS = ("resnet18", "mobilenetv2")
 
 
@@ -281,6 +283,8 @@ def lever_module(lm, lever: str, target):
         return layouts.to_nhwc(lm.mod), None
     if lever in ("nchwc", "gap_nchwc"):
         return layouts.pack_conv2d_nchwc(lm.mod, target=target), None
+    if lever == "nchwc8":
+        return layouts.pack_conv2d_nchwc(lm.mod, target=target, lanes=8), None
     if lever == "prepack":
         return lm.mod, relax.transform.AttachAttrLayoutFreeBuffers()
     return lm.mod, None

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import tvm
+from tvm import relax
 
-from ttrank import coverage, donors, kernels, layouts, zoo
+from ttrank import coverage, donors, frontend, kernels, layouts, zoo
 from ttrank.cli import main
 from ttrank.errors import ModelLoadError
+from ttrank.graphopt import transform_constant
 from ttrank.target import make_target
 from ttrank.workdir import read_manifest
 
@@ -83,3 +87,21 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_
         zoo.load(str(tiny_cnn), layout="nchwc")
     model, why = coverage.choose_layout(as_imported, store, target)
     assert model.layout == "nchw" and why.startswith("its convs cannot be packed")
+
+
+def test_weight_and_bias_transforms_are_folded_at_load_as_compiling_would(tiny_cnn, target):
+    """Packed weights and biases are constants as soon as the model is loaded: compiling
+    leaves nothing for FoldConstant to build with LLVM, and the numbers are TVM's own."""
+    packed = frontend.load(tiny_cnn, layout="nchwc", target=target)
+    with target, tvm.transform.PassContext(opt_level=3):
+        legal = relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(packed.mod))
+        assert tvm.ir.structural_equal(relax.transform.FoldConstant()(legal), legal)
+
+    # numpy's transform is IndexMap's, on a weight with both channel counts blocked
+    w = np.random.default_rng(0).standard_normal((32, 24, 3, 3)).astype("float32")
+    imap = tvm.tirx.IndexMap.from_func(lambda o, i, h, w_: (o // 16, i // 8, h, w_, i % 8, o % 16),
+                                       index_dtype="int64")
+    assert np.array_equal(transform_constant(w, imap), imap.map_tensor(tvm.runtime.tensor(w)).numpy())
+    # a map that pads is left to TVM
+    pad = tvm.tirx.IndexMap.from_func(lambda o, i, h, w_: (o // 5, i, h, w_, o % 5), index_dtype="int64")
+    assert transform_constant(w, pad) is None
