@@ -18,7 +18,8 @@ bench/work/host/<mcpu>/.
 
 ``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
 ``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
-``adapted@L`` and ``adaptation@L``, with caches of their own.
+``adapted@L`` and ``adaptation@L``, with caches of their own. ``--label X`` keeps a rerun after
+the shipped data changed (new donors) beside the earlier one, as ``shipped@L+X`` and so on.
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ def main() -> int:
     ap.add_argument("--adapt-minutes", type=float, default=60.0)
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no step after this")
     ap.add_argument("--force", action="store_true", help="redo this CPU's steps")
+    ap.add_argument("--label", default="",
+                    help="phases of their own (shipped@L+LABEL, ...): the same steps after the shipped "
+                         "data changed, beside the earlier ones")
     ap.add_argument("--layout", choices=["nchw", "nchwc", "auto"], default="nchw")
     args = ap.parse_args()
-    tag = "" if args.layout == "nchw" else f"@{args.layout}"
+    tag = ("" if args.layout == "nchw" else f"@{args.layout}") + (f"+{args.label}" if args.label else "")
     shipped, adapted_phase, adaptation = f"shipped{tag}", f"adapted{tag}", f"adaptation{tag}"
 
     mcpu = host_mcpu()
