@@ -109,6 +109,11 @@ def test_block_size_and_lanes():
     assert layouts.block_size(24, 16) == 12
     assert layouts.block_size(144, 16) == 16
     assert layouts.block_size(64, 16, cap=8) == 8
+    # the packing block is the CPU's float lanes: AVX-512 16, AVX2 8 (whatever TVM's own
+    # vector-width query says: 512 for every x86 CPU)
+    lanes = {cpu: layouts.simd_lanes(make_target({"kind": "llvm", "mcpu": cpu}))
+             for cpu in ("znver5", "emeraldrapids", "znver3", "haswell")}
+    assert lanes == {"znver5": 16, "emeraldrapids": 16, "znver3": 8, "haswell": 8}
 
 
 def test_kernel_gap_one_op_models_are_the_zoo_kernels():
