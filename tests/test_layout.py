@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -95,7 +96,14 @@ def test_weight_and_bias_transforms_are_folded_at_load_as_compiling_would(tiny_c
     packed = frontend.load(tiny_cnn, layout="nchwc", target=target)
     with target, tvm.transform.PassContext(opt_level=3):
         legal = relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(packed.mod))
-        tvm.ir.assert_structural_equal(relax.transform.FoldConstant()(legal), legal)
+        folded = relax.transform.FoldConstant()(legal)
+    # every reshape and layout transform of the legalized model is still there: none moved
+    # only constants (before, each bias was reshaped and packed by calls that FoldConstant
+    # built with LLVM and ran)
+    def moves(mod) -> int:
+        return len(re.findall(r"R\.call_tir\((layout_transform|reshape)", str(mod["main"])))
+
+    assert moves(folded) == moves(legal) > 0
 
     # numpy's transform is IndexMap's, on a weight with both channel counts blocked
     w = np.random.default_rng(0).standard_normal((32, 24, 3, 3)).astype("float32")
