@@ -18,7 +18,7 @@ from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
 from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
-from ttrank.ranking import AdaptiveK, FixedK, policy_of, rank_kernel, shortlist
+from ttrank.ranking import AdaptiveK, FixedK, native_candidate, policy_of, rank_kernel, shortlist
 
 
 def test_adaptive_policy_measures_what_the_ranker_is_unsure_of():
@@ -100,6 +100,23 @@ def test_candidates_that_transfer_to_one_program_are_measured_once(trained, dono
     picks = shortlist(kernel, rank_kernel(kernel, store, Ranker.load(trained)), 5, target)
     hashes = [p.transferred.program_hash() for p in picks]
     assert len(hashes) == len(set(hashes))
+
+
+def test_a_schedule_tuned_on_this_cpu_is_measured_beside_the_rankers_picks(trained, donor_dir, tiny_cnn,
+                                                                          target):
+    store = donors.DonorStore.load([donor_dir])
+    kernel = next(k for k in extract(frontend.load(tiny_cnn).mod, target) if k.anchor_op == "conv2d_nchw")
+    ranked = rank_kernel(kernel, store, Ranker.load(trained))
+    # the test donors were tuned here; say the ranker's favourites were tuned elsewhere
+    elsewhere = [dataclasses.replace(c, record=dataclasses.replace(
+        c.record, provenance={**c.record.provenance, "mcpu": "elsewhere"})) for c in ranked[:-1]]
+    cands = elsewhere + ranked[-1:]
+    native = native_candidate(cands, target.attrs["mcpu"])
+    assert native is cands[-1]
+    picks = shortlist(kernel, cands, 1, target, also=native)
+    assert [p.candidate for p in picks] == [cands[0], native]
+    # already among the k: measured once
+    assert len(shortlist(kernel, [native] + elsewhere, 1, target, also=native)) == 1
 
 
 def test_kernels_with_one_workload_are_one_kernel(tmp_path, target):

@@ -26,7 +26,7 @@ from .kernels import Kernel, model_kernels
 from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
-from .ranking import Candidate, FixedK, Pick, SecondStage, policy_of, rank_kernel, shortlist
+from .ranking import Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, shortlist
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
 from .space import SPACE_NETWORK, space_candidates
@@ -317,8 +317,12 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
 
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
+    # a schedule tuned on this very CPU is measured too, when the ranker (which learned
+    # mostly on other CPUs) did not put it among the k: on znver3 (AVX2), a conv natively
+    # tuned for 128 trials ran 1.8 ms where schedules from AVX-512 donors ran 2.7
+    also = native_candidate(ranked, target.attrs.get("mcpu")) if rep.top_k > 1 else None
     return shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
-                     known, rep.rejections), share
+                     known, rep.rejections, also), share
 
 
 def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelReport]) -> float:

@@ -105,16 +105,24 @@ class Pick:
     # transfer gave this very program: measured once, as this pick
 
 
+def native_candidate(cands: list[Candidate], mcpu: str | None) -> Candidate | None:
+    """The best-ranked candidate tuned on this very CPU (``mcpu``), if any."""
+    if not mcpu:
+        return None
+    return next((c for c in cands if (c.record.provenance or {}).get("mcpu") == mcpu), None)
+
+
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
               known: Callable[[Candidate], dict | None] | None = None,
-              rejected: list | None = None) -> list[Pick]:
+              rejected: list | None = None, also: Candidate | None = None) -> list[Pick]:
     """The first ``k`` candidates, in rank order (reordered by ``stage`` if given), that apply to
     ``kernel``: transfers go in rank order until ``k`` succeed (a rejection costs little).
     A candidate whose transfer gives the same program as an earlier pick (structural hash) is
     noted on that pick (``same_program``) and the next one is taken: one program, one build and
     one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
     before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
-    of failed transfers."""
+    of failed transfers. ``also``: a candidate measured besides the ``k`` when they miss it
+    (:func:`native_candidate`)."""
     pre: dict[str, Transferred] = {}
     if stage is not None:
         cands, pre = rerank(kernel, cands, stage, target)
@@ -137,6 +145,9 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
             programs[h].same_program.append(c.record.id)
             continue
         picks.append(programs.setdefault(h, Pick(c, t)))
+    if also is not None and all(p.candidate is not also for p in picks) \
+            and all(also.record.id not in p.same_program for p in picks):
+        picks += shortlist(kernel, [also], 1, target, None, known, rejected)
     return picks
 
 
