@@ -96,6 +96,7 @@ def main() -> int:
     ap.add_argument("--adapt-minutes", type=float, default=60.0)
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no step after this")
     ap.add_argument("--force", action="store_true", help="redo this CPU's steps")
+    ap.add_argument("--shipped-only", action="store_true", help="stop after the shipped phase")
     ap.add_argument("--label", default="",
                     help="phases of their own (shipped@L+LABEL, ...): the same steps after the shipped "
                          "data changed, beside the earlier ones")
@@ -141,6 +142,8 @@ def main() -> int:
 
     if not run_phase(shipped, work / f"shipped-cache{tag}"):
         print("budget spent; rerun to continue")
+        return 0
+    if args.shipped_only:
         return 0
     adapted_cache = work / f"adapted-cache{tag}"
     if f"{adaptation}_seconds" not in res:  # one adapt run of the given budget is the step measured
