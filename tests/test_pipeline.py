@@ -184,6 +184,8 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     table = tmp_path / "data" / "measurements" / "tiny_cnn.jsonl"
     n = len(table.read_text().splitlines())
     assert n > len(tuned)
+    # ... and they are training data: ttrank train finds their kernels beside them
+    assert len(collect.build_dataset([table.parent], donors.DonorStore.load([donor_dir])).y) > 0
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
                            database_dir=tmp_path / "db2", time_model=False, tune_missing=0)

@@ -27,12 +27,13 @@ from .donors import DonorRecord, DonorStore, DonorWorkload
 from .errors import TTRankError
 from .features import FEATURE_NAMES, vector
 from .kernels import Kernel, extract
-from .measurements import UNTUNED, compact_provenance, is_current, machine_of, same_cpu
+from .measurements import (UNTUNED, compact_provenance, is_current, kernels_of, machine_of, same_cpu,
+                           write_kernels)
 from .measurements import key as measurement_key
 from .ranker import relevance
 from .target import CPU_KEYS, cpu_description, provenance
 from .transfer import transfer
-from .util import STOP_REQUESTED, append_jsonl, atomic_write_json, file_lock, read_jsonl, stop_at_safe_points
+from .util import STOP_REQUESTED, append_jsonl, read_jsonl, stop_at_safe_points
 
 log = logging.getLogger("ttrank")
 
@@ -113,17 +114,6 @@ def candidate_rows(kernel: Kernel, cands: list, results: list, network: str,
                                      pool="paper" if c.adapt == "tvm" else "ranked",
                                      devices=m.devices if m is not None else None))
     return rows
-
-
-def write_kernels(path: Path, kernels: list[Kernel]) -> None:
-    """Add ``kernels`` to a table's kernel file. Kernels already there stay: the table's older
-    rows may be of another import of the network (exact or fast math, an older TVM), and their
-    features need them."""
-    with file_lock(path):
-        old = kernels_of(path) if path.exists() else {}
-        new = {k.workload_hash: k for k in kernels}
-        atomic_write_json(path, [k.to_json() for k in new.values()]
-                          + [k.to_json() for h, k in old.items() if h not in new])
 
 
 def import_tables(src: str | Path, dst: str | Path) -> dict[str, int]:
@@ -272,16 +262,6 @@ class Dataset:
     @property
     def networks(self) -> list[str]:
         return sorted({m["network"] for m in self.meta})
-
-
-def kernels_of(path: Path) -> dict[str, Kernel]:
-    data = json.loads(path.read_text())
-    out = {}
-    for d in data:
-        d = dict(d)
-        d.pop("shape", None)
-        out[d["workload_hash"]] = Kernel(**d)
-    return out
 
 
 def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Dataset:

@@ -2,10 +2,17 @@
 
 ``datasets/measurements/<network>.jsonl`` (``ttrank collect``) and recommend's own tables
 (``--data-dir``) share this format; :func:`row` builds every line, and the ranker's training
-data (:mod:`ttrank.collect`) reads them back.
+data (:mod:`ttrank.collect`) reads them back. Beside each table, ``kernels/<network>.json``
+describes its kernels (:func:`write_kernels`): a row's features need its kernel.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .kernels import Kernel
+from .util import atomic_write_json, file_lock
 
 UNTUNED = "untuned"  # the record id of a kernel's own, untuned, schedule
 
@@ -70,3 +77,24 @@ def compact_provenance(prov: dict) -> dict:
     the devices' key, triple and names)."""
     return {k: prov[k] for k in ("cpu", "mcpu", "cores", "threads", "caches", "tvm", "date", "load_1m",
                                  "device_key", "device_triple", "devices") if k in prov}
+
+
+def kernels_of(path: Path) -> dict[str, Kernel]:
+    data = json.loads(path.read_text())
+    out = {}
+    for d in data:
+        d = dict(d)
+        d.pop("shape", None)
+        out[d["workload_hash"]] = Kernel(**d)
+    return out
+
+
+def write_kernels(path: Path, kernels: list[Kernel]) -> None:
+    """Add ``kernels`` to a table's kernel file. Kernels already there stay: the table's older
+    rows may be of another import of the network (exact or fast math, an older TVM), and their
+    features need them."""
+    with file_lock(path):
+        old = kernels_of(path) if path.exists() else {}
+        new = {k.workload_hash: k for k in kernels}
+        atomic_write_json(path, [k.to_json() for k in new.values()]
+                          + [k.to_json() for h, k in old.items() if h not in new])

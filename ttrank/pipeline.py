@@ -177,6 +177,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
     t0 = time.time()
     kernels = model_kernels(model, target)
+    # the table's rows are training data (ttrank train) only with their kernels described
+    measurements.write_kernels(table.parent / "kernels" / f"{model.name}.json", kernels)
     reports: dict[str, KernelReport] = {}
     ranked: dict[str, list[Candidate]] = {}
     for i, k in enumerate(kernels):
