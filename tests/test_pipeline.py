@@ -185,7 +185,7 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     n = len(table.read_text().splitlines())
     assert n > len(tuned)
     # ... and they are training data: ttrank train finds their kernels beside them
-    assert len(collect.build_dataset([table.parent], donors.DonorStore.load([donor_dir])).y) > 0
+    assert len(collect.build_dataset([table.parent], donors.DonorStore.load([donor_dir]), min_group=1).y) > 0
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
                            database_dir=tmp_path / "db2", time_model=False, tune_missing=0)
@@ -346,7 +346,10 @@ def test_a_transposed_conv_takes_conv2d_schedules_by_transfer(trained, donor_dir
     ok = [m for m in convt.measured if m["status"] == "ok"]
     assert ok and all(m["donor"].startswith("tiny_resnet/") for m in ok)
     softmax = next(k for k in res.kernels if "softmax" in k.workload_class)
-    assert softmax.candidates == 0 and softmax.status == "untuned"  # --tune-missing 0: left alone
+    assert softmax.candidates == 0 and softmax.tuning is None  # --tune-missing 0: not tuned
+    # no donor has it: only a sample of MetaSchedule's design space, measured faster than its
+    # default schedule, may have replaced that
+    assert softmax.status == "untuned" or softmax.chosen["donor_network"] == "design-space"
     assert res.max_abs_error_vs_onnxruntime < 1e-3
 
 
