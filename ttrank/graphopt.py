@@ -23,11 +23,12 @@ def fold_batch_norms(mod: tvm.IRModule) -> tvm.IRModule:
     batch norm after a biased conv and after a transposed conv (Paddle2ONNX, torch upsampling
     heads), where it would stay a standalone kernel that no donor covers. With constant weights,
     ``bn(conv(x, W) + b) = conv(x, W * s) + (b - mean) * s + beta`` with ``s = gamma / sqrt(var + eps)``.
+    Conv biases must be constants already (the importer reshapes them): :func:`clean_up` runs
+    :func:`fold_constant_transforms` first.
     """
     if "nn.batch_norm(" not in mod.script(show_meta=False):
         return mod  # nothing to fold: the module stays exactly as imported
     original = mod
-    mod = fold_constant_transforms(mod)  # the importer reshapes conv biases: make them constants
     changed = False
     for gvar, func in list(mod.functions.items()):
         if not isinstance(func, relax.Function):
