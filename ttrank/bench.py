@@ -22,6 +22,7 @@ from .donors import DonorStore
 from .programs import cost_model_path, cost_model_without
 from .ranker import Ranker, meta_path
 from .target import make_target
+from .util import atomic_write_json
 
 # donors that the transfer tests need first, then the rest, smaller searches first
 DONOR_ORDER = ["mobilenetv2", "vgg16", "resnet18", "bert", "alexnet", "resnet50", "googlenet",
@@ -139,7 +140,11 @@ def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = F
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     keep_measurements(tmp / "data" / "measurements")
-    return json.loads(rep_path.read_text()), wall, paused, cmd
+    report = json.loads(rep_path.read_text())
+    # the whole report (per kernel: candidates, rejections, tuning) outlives the temp dir: the
+    # summaries in bench/results say what happened, this says why
+    atomic_write_json(kept_measurements_dir().parent / "reports" / f"{net}.json", report)
+    return report, wall, paused, cmd
 
 
 def kept_measurements_dir() -> Path:

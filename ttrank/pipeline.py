@@ -65,6 +65,8 @@ class KernelReport:
     candidates: int = 0  # compatible candidates ranked
     top_k: int = 0  # the most the policy measures for a kernel of this share of the model
     k: int = 0  # how many the policy chose to measure (the ranker's confidence, the share)
+    beside: list = field(default_factory=list)  # record ids measured besides the k: a schedule
+    # tuned on this CPU, a design-space sample where every candidate is another op's
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -320,11 +322,20 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     # a schedule tuned on this very CPU is measured too, when the ranker (which learned
     # mostly on other CPUs) did not put it among the k: on znver3 (AVX2), a conv natively
     # tuned for 128 trials ran 1.8 ms where schedules from AVX-512 donors ran 2.7
-    also = native_candidate(ranked, target.attrs.get("mcpu")) if rep.top_k > 1 else None
+    also = [native_candidate(ranked, target.attrs.get("mcpu"))] if rep.top_k > 1 else []
+    if rep.top_k > 1 and ranked[0].donor.network != SPACE_NETWORK \
+            and not any(c.donor.kernel.workload_class == k.workload_class for c in ranked):
+        # every candidate is another op's schedule (a variant transfer): the kernel's own design
+        # space is measured beside them. On YOLO's output head (concats, layout transforms and a
+        # sigmoid, 5% of the model) the one candidate, a ViT concat's schedule, ran 7x slower
+        # than the default, and the kernel stayed at its single-threaded default
+        also += space_candidates(k, target, 1)
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
-    return shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
-                     known, rep.rejections, also), share
+    picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
+                      known, rep.rejections, [c for c in also if c is not None])
+    rep.beside = [p.candidate.record.id for p in picks if p.beside]
+    return picks, share
 
 
 def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelReport]) -> float:

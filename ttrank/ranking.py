@@ -103,6 +103,7 @@ class Pick:
     row: dict | None = None
     same_program: list[str] = field(default_factory=list)  # later candidates' record ids whose
     # transfer gave this very program: measured once, as this pick
+    beside: bool = False  # measured besides the ranker's k (shortlist's ``also``)
 
 
 def native_candidate(cands: list[Candidate], mcpu: str | None) -> Candidate | None:
@@ -114,15 +115,15 @@ def native_candidate(cands: list[Candidate], mcpu: str | None) -> Candidate | No
 
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
               known: Callable[[Candidate], dict | None] | None = None,
-              rejected: list | None = None, also: Candidate | None = None) -> list[Pick]:
+              rejected: list | None = None, also: Sequence[Candidate] = ()) -> list[Pick]:
     """The first ``k`` candidates, in rank order (reordered by ``stage`` if given), that apply to
     ``kernel``: transfers go in rank order until ``k`` succeed (a rejection costs little).
     A candidate whose transfer gives the same program as an earlier pick (structural hash) is
     noted on that pick (``same_program``) and the next one is taken: one program, one build and
     one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
     before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
-    of failed transfers. ``also``: a candidate measured besides the ``k`` when they miss it
-    (:func:`native_candidate`)."""
+    of failed transfers. ``also``: candidates measured besides the ``k`` when they miss them
+    (:func:`native_candidate`, a design-space sample)."""
     pre: dict[str, Transferred] = {}
     if stage is not None:
         cands, pre = rerank(kernel, cands, stage, target)
@@ -145,9 +146,18 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
             programs[h].same_program.append(c.record.id)
             continue
         picks.append(programs.setdefault(h, Pick(c, t)))
-    if also is not None and all(p.candidate is not also for p in picks) \
-            and all(also.record.id not in p.same_program for p in picks):
-        picks += shortlist(kernel, [also], 1, target, None, known, rejected)
+    for a in also:
+        if all(p.candidate is not a and a.record.id not in p.same_program for p in picks):
+            extra = shortlist(kernel, [a], 1, target, None, known, rejected)
+            h = extra[0].transferred.program_hash() if extra and extra[0].transferred else None
+            if h is not None and h in programs:  # the same program as a pick: measured once
+                programs[h].same_program.append(a.record.id)
+                continue
+            for p in extra:
+                p.beside = True
+                if p.transferred is not None:
+                    programs[p.transferred.program_hash()] = p
+            picks += extra
     return picks
 
 
