@@ -309,6 +309,29 @@ def test_batch_norms_fold_into_transposed_convs_and_outputs_still_match(tmp_path
     assert res.ok and res.max_abs_error < 1e-4
 
 
+def _vocab_head(path, classes: int):
+    """A recogniser's or language model's last layer: a linear map onto ``classes`` outputs."""
+    g = zoo.GraphBuilder("head", seed=0)
+    x = g.input("features", [1, 40, 96])
+    g.output(g.linear(x, 96, classes), [1, 40, classes])
+    onnx.save(g.model(), str(path))
+    return path
+
+
+@pytest.mark.parametrize("classes,padded", [(6625, 6656), (1001, 1008), (1000, 1000)])
+def test_a_vocabulary_that_fills_no_whole_vector_is_padded_and_outputs_still_match(tmp_path, classes,
+                                                                                    padded):
+    # MetaSchedule tiles by exact divisors: 6625 or GPT-2's 50257 columns leave no vector-wide
+    # inner tile, so the weight gets zero columns and the output is sliced back
+    model = frontend.load(_vocab_head(tmp_path / "h.onnx", classes))
+    (head,) = [k for k in kernels.extract(model.mod) if k.anchor_op == "matmul"]
+    assert head.extents[-2] == padded, head.extents  # the output columns' loop
+    assert ("strided_slice" in head.workload_class) == (padded != classes)
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def test_tuning_registers_only_the_cpus_own_tensor_intrinsics():
     # MetaSchedule's TuneContext imports every backend's intrinsics (30 s and more); a CPU
     # target needs only its ISA's, and a later full import must still be possible

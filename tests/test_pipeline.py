@@ -344,10 +344,7 @@ def test_a_transposed_conv_takes_conv2d_schedules_by_transfer(trained, donor_dir
     convt = next(k for k in res.kernels if k.workload_class.startswith("conv2d_transpose_nchw"))
     assert convt.candidates > 0
     ok = [m for m in convt.measured if m["status"] == "ok"]
-    assert any(m["donor"].startswith("tiny_resnet/") for m in ok)
-    # all its candidates are another op's schedules: a sample of its own design space is
-    # measured beside them
-    assert any(m["donor"].startswith("design-space/") for m in convt.measured)
+    assert ok and all(m["donor"].startswith("tiny_resnet/") for m in ok)
     softmax = next(k for k in res.kernels if "softmax" in k.workload_class)
     assert softmax.candidates == 0 and softmax.tuning is None  # --tune-missing 0: not tuned
     # no donor has it: only a sample of MetaSchedule's design space, measured faster than its
