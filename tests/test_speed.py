@@ -12,15 +12,12 @@ import onnx
 import pytest
 
 import ttrank
-from ttrank import donors, frontend, measure, zoo
+from ttrank import donors, frontend, zoo
 from ttrank.collect import Dataset
 from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
 from ttrank.kernels import Kernel, extract
-from ttrank.layouts import simd_lanes
 from ttrank.ranker import Ranker
-from ttrank.space import parallel_block_traces, space_candidates
-from ttrank.transfer import transfer
 from ttrank.ranking import AdaptiveK, FixedK, native_candidate, needs_own_space, policy_of, rank_kernel, shortlist
 
 
@@ -140,40 +137,6 @@ def test_an_elementwise_kernel_with_only_other_ops_schedules_also_gets_its_own_d
     # space is slow, and measuring it costs more than it can win
     assert not needs_own_space(dataclasses.replace(conv, workload_class="conv2d_nchw+other"), ranked)
     assert not needs_own_space(elementwise, [])  # none at all: the design space stands in anyway
-
-
-def test_a_copy_kernels_design_space_starts_with_every_block_parallel(tmp_path, target):
-    """A detector's output head (concats, a transpose, a sigmoid) fuses into one kernel without
-    a reduction; MetaSchedule's space would inline it all into one expression. Its first design-
-    space candidates keep every block and run each on all cores, and give the right results."""
-    g = zoo.GraphBuilder("head", seed=0)
-    xs = [g.input(f"p{i}", [1, 85, 8 >> i, 8 >> i]) for i in range(3)]
-    flat = [g.node("Reshape", [x, g.const(np.array([1, 85, -1], np.int64))]) for x in xs]
-    y = g.node("Transpose", [g.node("Concat", flat, axis=2)], perm=[0, 2, 1])
-    g.output(g.node("Sigmoid", [y]), [1, 84, 85])
-    onnx.save(g.model(), str(tmp_path / "head.onnx"))
-    (k,) = [k for k in extract(frontend.load(tmp_path / "head.onnx").mod, target) if len(k.epilogue) >= 2]
-    assert "R" not in k.iter_kinds
-    cands = space_candidates(k, target, n=2, draws=False)
-    assert [c.record.id for c in cands] == [f"design-space/{k.workload_hash}/{i}" for i in range(2)]
-    parallel = parallel_block_traces(k, simd_lanes(target))
-    assert len(parallel) == 2
-    # after MetaSchedule's own sample (one: the space of a kernel without a reduction)
-    assert len(space_candidates(k, target, n=3)) == 3
-    for c, trace in zip(cands, parallel):
-        t = transfer(c.record, k, c.donor, target)
-        assert t.ok, t.reason
-        text = str(t.mod)
-        # nothing inlined: the kernel's blocks are all still there, each in a parallel loop
-        assert text.count("T.sblock(") == len(k.epilogue) + 1 + text.count('T.sblock("root")')
-        assert "T.parallel(" in text
-    measurer = measure.Measurer(target)
-    try:
-        measured = measurer.measure([transfer(c.record, k, c.donor, target).mod for c in cands],
-                                    reference=k.mod, reference_key=k.workload_hash)
-    finally:
-        measurer.close()
-    assert [m.status for m in measured] == ["ok", "ok"], [m.error for m in measured]
 
 
 def test_kernels_with_one_workload_are_one_kernel(tmp_path, target):

@@ -263,12 +263,9 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     try:
         _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
         picks, shares = {}, {}
-        expected = {k.name: expected_tuned_s(k, reports[k.name].untuned_s) for k in kernels}
-        total = sum(expected.values()) or 1.0
         for k in kernels:
             picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
-                                                       policy, stage2, cached, target,
-                                                       expected[k.name] / total)
+                                                       policy, stage2, cached, target)
             progress("transferring", len(picks), len(kernels), k.name)
         anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
         fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
@@ -298,11 +295,10 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
 
 
 def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: dict[str, KernelReport],
-               policy: FixedK, stage2: SecondStage | None, cached: dict, target, expected_share: float = 0.0
+               policy: FixedK, stage2: SecondStage | None, cached: dict, target
                ) -> tuple[list[Pick] | None, float]:
     """The kernel's candidates to measure (as many as ``policy`` gives it for the ranker's
-    scores and its share of the untuned model), and that share; None when it has no candidate.
-    ``expected_share``: its share of the model once tuned (:func:`expected_tuned_s`)."""
+    scores and its share of the untuned model), and that share; None when it has no candidate."""
     total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
     share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
     rep.top_k = policy.bound(share)
@@ -328,32 +324,17 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     # mostly on other CPUs) did not put it among the k: on znver3 (AVX2), a conv natively
     # tuned for 128 trials ran 1.8 ms where schedules from AVX-512 donors ran 2.7
     also = [native_candidate(ranked, target.attrs.get("mcpu"))] if rep.top_k > 1 else []
-    if expected_share >= policy.minor_share and needs_own_space(k, ranked):
-        # YOLO's output head (concats, layout transforms and a sigmoid): 0.1% of the untuned
-        # model and 5% of the tuned one. Its one candidate, a ViT concat's schedule, ran 7x
-        # slower than the default, and the kernel stayed at its single-threaded default.
-        # MetaSchedule's own samples inline it all into one expression: slower still (10.8 ms
-        # against 1.5), and 40 s to build
-        also += space_candidates(k, target, 2, draws=False)
+    if rep.top_k > 1 and needs_own_space(k, ranked):
+        # YOLO's output head (concats, layout transforms and a sigmoid, 5% of the model): its
+        # one candidate, a ViT concat's schedule, ran 7x slower than the default, and the
+        # kernel stayed at its single-threaded default
+        also += space_candidates(k, target, 1)
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
     picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
                       known, rep.rejections, [c for c in also if c is not None])
     rep.beside = [p.candidate.record.id for p in picks if p.beside]
     return picks, share
-
-
-# what a good schedule typically buys a kernel with a reduction: the zoo's untuned / tuned
-# model latencies range from 25x to 190x (bench/results/recommend_zoo.md, coverage.json);
-# the lower end, so that a copy is not taken for more minor than it is
-TUNING_GAIN = 25.0
-
-
-def expected_tuned_s(k: Kernel, untuned_s: float | None) -> float:
-    """A rough guess of ``k``'s time once tuned, before anything is measured: a kernel with a
-    reduction gains about :data:`TUNING_GAIN`, a copy or an elementwise kernel little (it is
-    memory-bound), so after tuning it holds a far larger share of the model than untuned."""
-    return k.weight * (untuned_s or 0.0) / (TUNING_GAIN if "R" in k.iter_kinds else 1.0)
 
 
 def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelReport]) -> float:
