@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from tvm import relax
@@ -113,3 +115,28 @@ def test_weight_and_bias_transforms_are_folded_at_load_as_compiling_would(tiny_c
     # a map that pads is left to TVM
     pad = tvm.tirx.IndexMap.from_func(lambda o, i, h, w_: (o // 5, i, h, w_, o % 5), index_dtype="int64")
     assert transform_constant(w, pad) is None
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_grouped_convs_are_packed_when_their_groups_hold_whole_blocks(tmp_path, target, lanes):
+    """ResNeXt's 3x3 convs (32 groups of 16 channels and more): ``ConvertLayout`` packs them,
+    and nothing in TVM legalizes a packed grouped conv. They become packed convs (a dense one's
+    loops, so dense packed donors are candidates), and the compiled model matches onnxruntime."""
+    from ttrank import runtime
+
+    g = zoo.GraphBuilder("grouped", seed=0)
+    x = g.relu(g.conv(g.input("input", [1, 16, 14, 14]), 16, 64, 1))
+    x = g.relu(g.conv(x, 64, 64, 3, groups=4))  # 16 channels a group: whole blocks of 8 and 16
+    x = g.relu(g.conv(x, 64, 64, 3, stride=2, groups=16))  # 4 a group: stays NCHW
+    g.output(g.conv(x, 64, 32, 1), [1, 32, 7, 7])
+    path = tmp_path / "grouped.onnx"
+    onnx.save(g.model(), str(path))
+    model = frontend.load(path)
+    stats: dict = {}
+    packed = dataclasses.replace(model, mod=layouts.pack_conv2d_nchwc(model.mod, target, lanes=lanes, stats=stats),
+                                 layout="nchwc", kernel_cache={})
+    assert stats["grouped"] == 1 and layouts.count_unpacked_convs(packed.mod) == 1
+    assert sum(k.anchor_op.endswith(layouts.PACKED_CONV) for k in kernels.extract(packed.mod, target)) == 3
+    ex = runtime.compile_model(packed, target)
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, packed), packed)
+    assert res.ok and res.max_abs_error < 1e-4

@@ -18,7 +18,7 @@ from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
 from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
-from ttrank.ranking import AdaptiveK, FixedK, native_candidate, needs_own_space, policy_of, rank_kernel, shortlist
+from ttrank.ranking import AdaptiveK, FixedK, native_candidate, policy_of, rank_kernel, shortlist
 
 
 def test_adaptive_policy_measures_what_the_ranker_is_unsure_of():
@@ -119,26 +119,6 @@ def test_a_schedule_tuned_on_this_cpu_is_measured_beside_the_rankers_picks(train
     assert len(shortlist(kernel, [native] + elsewhere, 1, target, also=[native])) == 1
 
 
-def test_an_elementwise_kernel_with_only_other_ops_schedules_also_gets_its_own_design_space(
-        trained, donor_dir, tiny_cnn, target):
-    """A variant transfer can lose to TVM's default; for a kernel without a reduction, a sample
-    of its own design space (one parallel, vectorised schedule) is measured beside it."""
-    store = donors.DonorStore.load([donor_dir])
-    kernels = extract(frontend.load(tiny_cnn).mod, target)
-    conv = next(k for k in kernels if k.anchor_op == "conv2d_nchw")
-    ranked = rank_kernel(conv, store, Ranker.load(trained))
-    elementwise = next(k for k in kernels if "R" not in k.iter_kinds)
-    # the conv's candidates are conv schedules: its own kind, nothing beside them
-    assert ranked and not needs_own_space(conv, ranked)
-    # the same candidates offered to an elementwise kernel are all another op's
-    others = [dataclasses.replace(c, kernel=elementwise) for c in ranked]
-    assert needs_own_space(elementwise, others)
-    # a kernel with a reduction keeps to its candidates: a random sample of a big reduction's
-    # space is slow, and measuring it costs more than it can win
-    assert not needs_own_space(dataclasses.replace(conv, workload_class="conv2d_nchw+other"), ranked)
-    assert not needs_own_space(elementwise, [])  # none at all: the design space stands in anyway
-
-
 def test_kernels_with_one_workload_are_one_kernel(tmp_path, target):
     """Two identical conv blocks (different weights): one kernel of weight 2, so one untuned
     measurement and one shortlist serve both (MetaSchedule's task extraction merges them)."""
@@ -198,7 +178,7 @@ def test_recommend_reports_what_more_time_would_buy(trained, donor_dir, tiny_cnn
     assert curve[-1]["estimated_ms"] == pytest.approx(1e3 * sum(k.weight * k.best_s for k in res.kernels),
                                                       rel=1e-3)
     # each kernel measured what the policy gave it, never more than top_k, and what was
-    # measured beside (a schedule tuned on this CPU, a design-space sample), which it names
+    # measured beside (a schedule tuned on this CPU), which it names
     assert res.provenance["policy"]["policy"] == "AdaptiveK"
     assert all(len(k.measured) <= k.k + len(k.beside) and k.k <= k.top_k <= 3
                for k in res.kernels if k.candidates)

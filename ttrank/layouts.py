@@ -107,6 +107,30 @@ def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
         name=PACKED_CONV, tag=PACKED_CONV)
 
 
+def _te_group_conv2d_nchwc(data, kernel, strides, padding, dilation, groups: int, out_dtype):
+    """Packed grouped conv whose groups hold whole blocks (ResNeXt's 3x3 convs from 16 channels
+    a group): data [N, IC//ib, H, W, ib], kernel [OC//ob, (IC//groups)//ib, KH, KW, ib, ob]. An
+    output chunk lies in one group and reads that group's input chunks only: a dense packed
+    conv's loops (and name, so dense packed donors are its candidates) with the input chunk
+    offset by the group."""
+
+    n, icc, _, _, ib = (int(x) for x in data.shape)
+    occ, gicc, kh, kw, _, ob = (int(x) for x in kernel.shape)
+    per_group = occ // groups  # output chunks per group
+    data, oh, ow, (sh, sw), (dh, dw) = _padded_geometry(data, kh, kw, strides, padding, dilation)
+    ric = te.reduce_axis((0, gicc), name="ic_chunk")
+    rkh = te.reduce_axis((0, kh), name="kh")
+    rkw = te.reduce_axis((0, kw), name="kw")
+    rib = te.reduce_axis((0, ib), name="ic_block")
+    return te.compute(
+        (n, occ, oh, ow, ob),
+        lambda b, oc, y, x, o: te.sum(
+            data[b, oc // per_group * gicc + ric, y * sh + rkh * dh, x * sw + rkw * dw, rib].astype(out_dtype)
+            * kernel[oc, ric, rkh, rkw, rib, o].astype(out_dtype),
+            axis=[ric, rkh, rkw, rib]),
+        name=PACKED_CONV, tag=PACKED_CONV)
+
+
 def _te_depthwise_nchwc(data, kernel, strides, padding, dilation, out_dtype):
     """Packed depthwise conv: data [N, C//cb, H, W, cb], kernel [C//cb, 1, KH, KW, cb]."""
 
@@ -173,7 +197,8 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
     5. Layout transforms of activations become gathers (:func:`_te_gather_transform`) that can
        fuse; transforms of constants are folded (:func:`fold_constant_transforms`).
 
-    ``stats`` (a dict) receives the counts: propagated, wrapped, depthwise, transforms, sunk.
+    ``stats`` (a dict) receives the counts: propagated, wrapped, depthwise, grouped, transforms,
+    sunk.
     """
 
     lanes = lanes or simd_lanes(target)
@@ -183,7 +208,7 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
             mod = relax.transform.ConvertLayout(
                 {"relax.nn.conv2d": [f"NCHW{lanes}c", f"OIHW{lanes}i{lanes}o"]})(mod)
     mod = fold_constant_transforms(mod)  # biases reshaped to [1, C, 1, 1] are constants then
-    counts = {"propagated": 0, "wrapped": 0, "depthwise": 0, "transforms": 0, "sunk": 0}
+    counts = {"propagated": 0, "wrapped": 0, "depthwise": 0, "grouped": 0, "transforms": 0, "sunk": 0}
     packer = _Packer(mod, lanes, counts, depthwise)
     for gv, func in list(mod.functions.items()):
         if isinstance(func, relax.Function):
@@ -449,11 +474,21 @@ class _Packer(PyExprMutator):
         bb = self.builder_
         md, mk, mo = _PACKED_DATA.match(dl), _PACKED_KERNEL.match(kl), _PACKED_DATA.match(ol)
         if md and mk and mo:  # from ConvertLayout: already packed, legalize it here
-            if groups != 1 or int(md.group(1)) != int(mk.group(1)) or int(mk.group(2)) != int(mo.group(1)):
+            ib, ob = int(mk.group(1)), int(mk.group(2))
+            if int(md.group(1)) != ib or int(mo.group(1)) != ob:
                 return None
-            self.counts["propagated"] += 1
-            return bb.call_te(_te_conv2d_nchwc, x, w, strides, padding, dilation, "float32",
-                              primfunc_name_hint=PACKED_CONV)
+            if groups == 1:
+                self.counts["propagated"] += 1
+                return bb.call_te(_te_conv2d_nchwc, x, w, strides, padding, dilation, "float32",
+                                  primfunc_name_hint=PACKED_CONV)
+            # ConvertLayout packs a grouped conv whose groups divide by the block, and nothing
+            # legalizes that call: it reached the VM's codegen (an internal error on ResNeXt-50)
+            if ws[0] % groups == 0 and ws[1] * ws[4] * groups == xs[1] * xs[4]:
+                self.counts["grouped"] += 1
+                return bb.call_te(_te_group_conv2d_nchwc, x, w, strides, padding, dilation, groups,
+                                  "float32", primfunc_name_hint=PACKED_CONV)
+            # a block spanning groups: no packed form here (the caller keeps the model NCHW)
+            raise ValueError(f"a grouped conv ({groups} groups) whose groups split its {ob}-channel blocks")
         if (dl, kl, ol) != ("NCHW", "OIHW", "NCHW") or len(xs) != 4 or len(ws) != 4:
             return None
         cin, cout = xs[1], ws[0]

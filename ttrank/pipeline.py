@@ -26,7 +26,7 @@ from .kernels import Kernel, model_kernels
 from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
-from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, needs_own_space, policy_of, rank_kernel,
+from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel,
                       shortlist)
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
@@ -66,8 +66,8 @@ class KernelReport:
     candidates: int = 0  # compatible candidates ranked
     top_k: int = 0  # the most the policy measures for a kernel of this share of the model
     k: int = 0  # how many the policy chose to measure (the ranker's confidence, the share)
-    beside: list = field(default_factory=list)  # record ids measured besides the k: a schedule
-    # tuned on this CPU, a design-space sample where every candidate is another op's
+    beside: list = field(default_factory=list)  # record ids measured besides the k (a schedule
+    # tuned on this CPU that the ranker left out)
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -324,11 +324,6 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     # mostly on other CPUs) did not put it among the k: on znver3 (AVX2), a conv natively
     # tuned for 128 trials ran 1.8 ms where schedules from AVX-512 donors ran 2.7
     also = [native_candidate(ranked, target.attrs.get("mcpu"))] if rep.top_k > 1 else []
-    if rep.top_k > 1 and needs_own_space(k, ranked):
-        # YOLO's output head (concats, layout transforms and a sigmoid, 5% of the model): its
-        # one candidate, a ViT concat's schedule, ran 7x slower than the default, and the
-        # kernel stayed at its single-threaded default
-        also += space_candidates(k, target, 1)
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
     picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,

@@ -113,15 +113,6 @@ def native_candidate(cands: list[Candidate], mcpu: str | None) -> Candidate | No
     return next((c for c in cands if (c.record.provenance or {}).get("mcpu") == mcpu), None)
 
 
-def needs_own_space(kernel: Kernel, cands: list[Candidate]) -> bool:
-    """Whether a sample of ``kernel``'s own design space should be measured beside ``cands``:
-    every candidate is another op's schedule (a variant transfer, which can lose to TVM's
-    default), and the kernel has no reduction, so its space is one parallel, vectorised
-    schedule, cheap to measure (a big matmul's random sample ran 20x slower than a donor's)."""
-    return ("R" not in kernel.iter_kinds and bool(cands)
-            and not any(c.donor.kernel.workload_class == kernel.workload_class for c in cands))
-
-
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
               known: Callable[[Candidate], dict | None] | None = None,
               rejected: list | None = None, also: Sequence[Candidate] = ()) -> list[Pick]:
