@@ -87,34 +87,16 @@ def _padded_geometry(data, kh: int, kw: int, strides, padding, dilation):
     return data, oh, ow, (sh, sw), (dh, dw)
 
 
-def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype):
-    """Packed conv: data [N, IC//ib, H, W, ib], kernel [OC//ob, IC//ib, KH, KW, ib, ob]
-    -> [N, OC//ob, OH, OW, ob]; reduction over (ic_chunk, kh, kw, ic_block)."""
+def _te_conv2d_nchwc(data, kernel, strides, padding, dilation, out_dtype, groups: int = 1):
+    """Packed conv: data [N, IC//ib, H, W, ib], kernel [OC//ob, IC//groups//ib, KH, KW, ib, ob]
+    -> [N, OC//ob, OH, OW, ob]; reduction over (ic_chunk, kh, kw, ic_block).
 
-    n, icc, _, _, ib = (int(x) for x in data.shape)
-    occ, _, kh, kw, _, ob = (int(x) for x in kernel.shape)
-    data, oh, ow, (sh, sw), (dh, dw) = _padded_geometry(data, kh, kw, strides, padding, dilation)
-    ric = te.reduce_axis((0, icc), name="ic_chunk")
-    rkh = te.reduce_axis((0, kh), name="kh")
-    rkw = te.reduce_axis((0, kw), name="kw")
-    rib = te.reduce_axis((0, ib), name="ic_block")
-    return te.compute(
-        (n, occ, oh, ow, ob),
-        lambda b, oc, y, x, o: te.sum(
-            data[b, ric, y * sh + rkh * dh, x * sw + rkw * dw, rib].astype(out_dtype)
-            * kernel[oc, ric, rkh, rkw, rib, o].astype(out_dtype),
-            axis=[ric, rkh, rkw, rib]),
-        name=PACKED_CONV, tag=PACKED_CONV)
+    ``groups``: a grouped conv whose groups hold whole blocks (ResNeXt's 3x3 convs from 16
+    channels a group): an output chunk lies in one group and reads that group's input chunks
+    only, so the loops (and the name: dense packed donors are its candidates) stay the dense
+    conv's, with the input chunk offset by the group."""
 
-
-def _te_group_conv2d_nchwc(data, kernel, strides, padding, dilation, groups: int, out_dtype):
-    """Packed grouped conv whose groups hold whole blocks (ResNeXt's 3x3 convs from 16 channels
-    a group): data [N, IC//ib, H, W, ib], kernel [OC//ob, (IC//groups)//ib, KH, KW, ib, ob]. An
-    output chunk lies in one group and reads that group's input chunks only: a dense packed
-    conv's loops (and name, so dense packed donors are its candidates) with the input chunk
-    offset by the group."""
-
-    n, icc, _, _, ib = (int(x) for x in data.shape)
+    n, _, _, _, ib = (int(x) for x in data.shape)
     occ, gicc, kh, kw, _, ob = (int(x) for x in kernel.shape)
     per_group = occ // groups  # output chunks per group
     data, oh, ow, (sh, sw), (dh, dw) = _padded_geometry(data, kh, kw, strides, padding, dilation)
@@ -122,10 +104,14 @@ def _te_group_conv2d_nchwc(data, kernel, strides, padding, dilation, groups: int
     rkh = te.reduce_axis((0, kh), name="kh")
     rkw = te.reduce_axis((0, kw), name="kw")
     rib = te.reduce_axis((0, ib), name="ic_block")
+
+    def chunk(oc):  # a dense conv's index stays as it was: its donors' workloads are unchanged
+        return ric if groups == 1 else oc // per_group * gicc + ric
+
     return te.compute(
         (n, occ, oh, ow, ob),
         lambda b, oc, y, x, o: te.sum(
-            data[b, oc // per_group * gicc + ric, y * sh + rkh * dh, x * sw + rkw * dw, rib].astype(out_dtype)
+            data[b, chunk(oc), y * sh + rkh * dh, x * sw + rkw * dw, rib].astype(out_dtype)
             * kernel[oc, ric, rkh, rkw, rib, o].astype(out_dtype),
             axis=[ric, rkh, rkw, rib]),
         name=PACKED_CONV, tag=PACKED_CONV)
@@ -485,8 +471,8 @@ class _Packer(PyExprMutator):
             # legalizes that call: it reached the VM's codegen (an internal error on ResNeXt-50)
             if ws[0] % groups == 0 and ws[1] * ws[4] * groups == xs[1] * xs[4]:
                 self.counts["grouped"] += 1
-                return bb.call_te(_te_group_conv2d_nchwc, x, w, strides, padding, dilation, groups,
-                                  "float32", primfunc_name_hint=PACKED_CONV)
+                return bb.call_te(_te_conv2d_nchwc, x, w, strides, padding, dilation, "float32", groups,
+                                  primfunc_name_hint=PACKED_CONV)
             # a block spanning groups: no packed form here (the caller keeps the model NCHW)
             raise ValueError(f"a grouped conv ({groups} groups) whose groups split its {ob}-channel blocks")
         if (dl, kl, ol) != ("NCHW", "OIHW", "NCHW") or len(xs) != 4 or len(ws) != 4:
