@@ -26,8 +26,7 @@ from .kernels import Kernel, model_kernels
 from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
-from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel,
-                      shortlist)
+from .ranking import Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, shortlist
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
 from .space import SPACE_NETWORK, space_candidates

@@ -123,7 +123,7 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
     one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
     before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
     of failed transfers. ``also``: candidates measured besides the ``k`` when they miss them
-    (:func:`native_candidate`, a design-space sample)."""
+    (:func:`native_candidate`)."""
     pre: dict[str, Transferred] = {}
     if stage is not None:
         cands, pre = rerank(kernel, cands, stage, target)
