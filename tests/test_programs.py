@@ -100,3 +100,27 @@ def test_recommend_reorders_the_shortlist_with_the_cost_model(trained, donor_dir
     shutil.rmtree(tmp_path / "data")
     assert main(args[:-1] + ["--no-progress", "--json", str(tmp_path / "r2.json")]) != 0
     assert not (tmp_path / "r2.json").exists()
+
+
+def test_leave_one_out_of_a_model_no_donor_came_from_keeps_the_rankers_cost_model(
+        trained, donor_dir, target, tmp_path, monkeypatch):
+    """`recommend my_model.onnx --leave-one-out` leaves nothing out of the store: the second stage
+    is the ranker's own cost model, not a minute's refit; a donor network left out gets one."""
+    from ttrank import ranking
+    from ttrank.donors import DonorStore
+
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    ranker = tmp_path / "ranker.json"
+    cm_path = programs.cost_model_path(ranker)
+    Ranker.load(trained).save(ranker, stage2={"enabled": True, "weight": 0.5, "shortlist": 4,
+                                              "cost_model": cm_path.name})
+    cm = programs.fit_cost_model([donor_dir], target, n_estimators=10)
+    cm.save(cm_path, **cm.metadata)
+    refits = []
+    monkeypatch.setattr(ranking, "cost_model_without",
+                        lambda nets, dirs, t: refits.append(set(nets)) or programs.CostModel.load(cm_path))
+    store = DonorStore.load([donor_dir])
+    assert ranking.SecondStage.of(Ranker.load(ranker), store, target, {"my_model"}) is not None
+    assert refits == []
+    ranking.SecondStage.of(Ranker.load(ranker), store, target, {"my_model", "tiny_resnet"})
+    assert refits == [{"tiny_resnet"}]

@@ -44,6 +44,9 @@ def test_a_recovered_import_is_one_note_and_the_importers_words_stay_in_the_nati
     assert _logs(env) == []  # a run that succeeded leaves no log behind
     loud = reliability.ttrank("-v", "kernels", str(paddle_style), "--input-shape", "x:1,3,16,16", env=env)
     assert loud.returncode == 0 and "Error converting operator Reshape" in loud.stderr
+    # -v goes before the subcommand or anywhere after it
+    loud = reliability.ttrank("kernels", str(paddle_style), "--input-shape", "x:1,3,16,16", "-v", env=env)
+    assert loud.returncode == 0 and "Error converting operator Reshape" in loud.stderr
 
 
 def _unimportable(path: Path) -> Path:

@@ -270,6 +270,28 @@ def test_each_kernels_reference_outputs_are_computed_once_and_shared(tiny_cnn, t
         m.close()
 
 
+def test_measuring_the_untuned_kernel_leaves_the_reference_its_candidates_are_checked_against(
+        tiny_cnn, target):
+    """recommend measures every untuned kernel first; that same build's outputs become the
+    kernel's reference, so no candidate's check compiles and runs the untuned kernel again.
+    A measurer warmed before use (its workers start while the caller ranks) measures alike."""
+    model = frontend.load(tiny_cnn)
+    ks = {k.name: k for k in kernels.extract(model.mod, target)}
+    k, other = ks["fused_conv2d1_add_relu"], ks["fused_conv2d1_add_add1_relu"]
+    m = measure.Measurer(target)
+    m.warm()
+    try:
+        [untuned] = m.baseline().measure([k.mod], as_references=[k.workload_hash])
+        assert untuned.ok and len(untuned.all_secs) == 1
+        refs = os.path.join(m.builder.artifact_dir, "references")
+        assert os.listdir(refs) and f"{k.workload_hash}.npz" in os.listdir(refs)
+        # the kernel itself agrees with its reference; another kernel's program does not
+        same, wrong = m.measure([k.mod, other.mod], references=[(k.mod, k.workload_hash)] * 2)
+        assert same.ok and wrong.status == "wrong_result"
+    finally:
+        m.close()
+
+
 def test_a_candidate_far_slower_than_its_kernels_best_gets_one_pass(tiny_cnn, target):
     """After a batch's first pass, a candidate over SETTLE_FACTOR x the best already measured
     for its kernel is not run again; the others get every pass."""

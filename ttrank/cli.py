@@ -302,8 +302,9 @@ def _native_stderr_captured(enabled: bool):
         os.dup2(saved, 2)
         os.close(saved)
         os.close(fd)
-        if not native.keep:
-            os.unlink(path)
+        if not native.keep:  # a log someone cleared meanwhile must not turn the exit into a traceback
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def cmd_donors(args) -> int:
@@ -749,7 +750,19 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--out", default=None,
                     help="measurement tables (default: datasets/measurements of the data home)")
     im.set_defaults(func=cmd_import_measurements)
+    _verbose_anywhere(p)
     return p
+
+
+def _verbose_anywhere(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after the subcommand too (``ttrank recommend m.onnx -v``), as users type it: each
+    subcommand takes it, and leaves the top-level count alone when it is not given."""
+    for action in parser._actions:  # argparse has no public walk over its subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                help="show TVM logs (-vv: debug)")
+                _verbose_anywhere(sp)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,10 +13,12 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
+from joblib import Parallel, delayed
 
 from .collect import Dataset
 from .features import FEATURE_NAMES
 from .ranking import FixedK
+from .target import host_cores
 
 
 def group_spans(ds: Dataset) -> list[tuple[int, int]]:
@@ -100,14 +102,24 @@ def held_out_scores(ds: Dataset, make_model: Callable[[], object], groups: np.nd
     held: dict[str, list[int]] = {}
     if len(set(groups)) < 2:
         return scores, held
+    folds = []
     for train, test in LeaveOneGroupOut().split(ds.X, groups=groups):  # groups in sorted order
         name = str(groups[test[0]])
         if drop_own_donors:
             train = [i for i in train if ds.meta[i].get("donor_network") != name]
-        model = make_model().fit(ds.X[train], ds.y[train], _regroup(ds, list(train)))
-        scores[test] = model.predict(ds.X[test])
+        folds.append((name, list(train), test))
+    # one fold per core (each fit is single-threaded, so the scores do not depend on n_jobs)
+    fitted = Parallel(n_jobs=host_cores())(
+        delayed(_fit_predict)(make_model, ds.X[train], ds.y[train], _regroup(ds, train), ds.X[test])
+        for _, train, test in folds)
+    for (name, _, test), pred in zip(folds, fitted):
+        scores[test] = pred
         held[name] = list(test)
     return scores, held
+
+
+def _fit_predict(make_model: Callable[[], object], X, y, groups: list[int], X_test) -> np.ndarray:
+    return make_model().fit(X, y, groups).predict(X_test)
 
 
 def _averaged(per_group: dict[str, dict[str, float]]) -> dict[str, float]:

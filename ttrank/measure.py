@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -122,11 +123,11 @@ def _run_host(mod, seed: int = 0, built=None) -> tuple[list, list]:
     return inputs, [a.numpy() for a in args]
 
 
-def _reference(ref_mod, ref_key: str, refs_dir: str) -> tuple[int, dict[int, Any]]:
+def _reference(ref_mod, ref_key: str, refs_dir: str, built=None) -> tuple[int, dict[int, Any]]:
     """The untuned kernel's argument count, and its outputs on the deterministic inputs by
     parameter index: computed once per kernel and kept in ``refs_dir`` for every build worker
     (each candidate of the kernel is checked against them; recomputing them per candidate was
-    half the build time)."""
+    half the build time). ``built``: ``ref_mod`` already compiled for this host."""
     import numpy as np
 
     path = os.path.join(refs_dir, f"{ref_key}.npz")
@@ -135,7 +136,7 @@ def _reference(ref_mod, ref_key: str, refs_dir: str) -> tuple[int, dict[int, Any
             with np.load(path, allow_pickle=False) as z:
                 return int(z["n"]), {int(k[1:]): z[k] for k in z.files if k != "n"}
         func = ref_mod[[gv for gv in ref_mod.functions][0]]
-        _, after = _run_host(ref_mod)
+        _, after = _run_host(ref_mod, built=built)
         out = {i: after[i] for i in _written(func)}
         tmp = f"{path}.{os.getpid()}.tmp.npz"
         np.savez(tmp, n=len(after), **{f"a{i}": a for i, a in out.items()})
@@ -170,6 +171,17 @@ def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol:
     return worst if bad else None
 
 
+def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> str:
+    """Build an untuned kernel for measurement and keep its outputs as the reference its
+    candidates are checked against (pool worker, host target): the kernel is compiled and run
+    once for both, not once more by the first candidate's check."""
+    import tvm
+
+    path = _build_export(mod, target, artifact_dir)
+    _reference(mod, ref_key, os.path.join(artifact_dir, "references"), built=tvm.runtime.load_module(path))
+    return path
+
+
 def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
                         run_here: bool = False, rtol: float = 1e-3, atol: float = 1e-4):
     """Build for measurement, and check the result against the reference (pool worker).
@@ -201,6 +213,11 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     return _build_export(mod, target, artifact_dir), None
 
 
+def _warm_worker() -> int:
+    """Nothing: unpickling it imports this module in the worker, which imports TVM's."""
+    return os.getpid()
+
+
 def _same_program(a, b) -> bool:
     import tvm_ffi
 
@@ -224,24 +241,37 @@ class WarmPoolBuilder(PyBuilder):
         self.artifact_dir = artifact_dir or tempfile.mkdtemp(prefix="ttrank-build-")
         os.makedirs(self.artifact_dir, exist_ok=True)
         self._pool: PopenPoolExecutor | None = None
+        self._lock = threading.Lock()  # warm() may start the pool from another thread
 
     @property
     def pool(self) -> PopenPoolExecutor:
-        if self._pool is None:
-            self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec)
-        return self._pool
+        with self._lock:
+            if self._pool is None:
+                self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec)
+            return self._pool
 
     def build(self, build_inputs: list[BuilderInput]) -> list[BuilderResult]:
         results = []
         args = [(bi.mod, bi.target, self.artifact_dir) for bi in build_inputs]
         for r in self.pool.map_with_error_catching(lambda a: _build_export(*a), args):
-            if r.status == StatusKind.COMPLETE:
-                results.append(BuilderResult(r.value, None))
-            elif r.status == StatusKind.TIMEOUT:
-                results.append(BuilderResult(None, f"build timeout: killed after {self.timeout_sec:g} s"))
-            else:
-                results.append(BuilderResult(None, f"build error: {_last_line(str(r.value))}"))
+            status, value = self._outcome(r)
+            results.append(BuilderResult(value, None) if status == "ok" else BuilderResult(None, value))
         return results
+
+    def build_references(self, mods: list, target, keys: list[str]) -> list[tuple[str, Any]]:
+        """Build untuned kernels to run on this host, keeping each one's outputs as the
+        reference under its key (:meth:`build_checked` then checks candidates against them).
+        Returns per module ("ok", artifact path), ("timeout", ...) or ("build_error", ...)."""
+        args = [(m, target, self.artifact_dir, k) for m, k in zip(mods, keys)]
+        return [self._outcome(r) for r in
+                self.pool.map_with_error_catching(lambda a: _build_reference_export(*a), args)]
+
+    def _outcome(self, r) -> tuple[str, Any]:
+        if r.status == StatusKind.COMPLETE:
+            return "ok", r.value
+        if r.status == StatusKind.TIMEOUT:
+            return "timeout", f"build timeout: killed after {self.timeout_sec:g} s"
+        return "build_error", f"build error: {_last_line(str(r.value))}"
 
     def build_checked(self, mods: list, target, ref_mod=None, ref_key: str = "",
                       references: list[tuple[Any, str]] | None = None,
@@ -259,11 +289,14 @@ class WarmPoolBuilder(PyBuilder):
             if r.status == StatusKind.COMPLETE:
                 path, wrong = r.value
                 out.append(("ok", path) if path else ("wrong_result", wrong))
-            elif r.status == StatusKind.TIMEOUT:
-                out.append(("timeout", f"build timeout: killed after {self.timeout_sec:g} s"))
             else:
-                out.append(("build_error", f"build error: {_last_line(str(r.value))}"))
+                out.append(self._outcome(r))
         return out
+
+    def warm(self) -> None:
+        """Start every worker now (each imports TVM and ttrank: seconds) and wait for them."""
+        for f in [self.pool.submit(_warm_worker) for _ in range(self.max_workers)]:
+            f.result()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -434,6 +467,8 @@ class Measurer:
         self.spec = runner or RunnerSpec()
         self.builder = builder or WarmPoolBuilder(timeout_sec=build_timeout_sec)
         self._runner = None
+        self._lock = threading.Lock()  # the runners are made once, by warm()'s thread or the caller
+        self._warming: threading.Thread | None = None
         self._baselines: list[Measurer] = []  # their runners are closed with this one's
         # where measuring time goes; "build_wait": the part of "build" that the runs did not
         # hide (measure_stream builds the next batch while this one runs)
@@ -441,10 +476,28 @@ class Measurer:
 
     @property
     def runner(self):
-        if self._runner is None:
-            self.spec.check()  # a tracker that is down, no device, mixed CPUs: one clear error now
-            self._runner = self.spec.create()
-        return self._runner
+        with self._lock:
+            if self._runner is None:
+                self.spec.check()  # a tracker that is down, no device, mixed CPUs: one clear error now
+                self._runner = self.spec.create()
+            return self._runner
+
+    def warm(self) -> None:
+        """Start the build workers and the local runners in the background, so that they are
+        ready when the first batch comes: each worker process imports TVM (about 2 s), and a
+        LocalRunner waits for its worker when it is made. Over RPC nothing is started early (the
+        tracker's errors belong to the caller's thread)."""
+        if self.spec.kind != "local" or self._warming is not None:
+            return
+
+        def run() -> None:
+            # a failure here is met again, and reported, where the workers are used
+            with contextlib.suppress(Exception):
+                self.builder.warm()
+                _ = self.baseline().runner, self.runner
+
+        self._warming = threading.Thread(target=run, name="ttrank-warm", daemon=True)
+        self._warming.start()
 
     def _result(self, fut, measured: int):
         """A runner future's result. Over RPC, the tracker is asked every few seconds while
@@ -498,16 +551,24 @@ class Measurer:
             time.sleep(0.1)
 
     def measure(self, mods: list, reference=None, reference_key: str = "",
-                references: list[tuple[Any, str]] | None = None) -> list[Measurement]:
+                references: list[tuple[Any, str]] | None = None,
+                as_references: list[str] | None = None) -> list[Measurement]:
         """Build and run each module; a failure of one never stops the batch.
 
         With ``reference`` (the untuned kernel), each module's output is first compared with
         the reference's on the same random inputs, and a mismatch is a ``wrong_result``.
         ``references`` gives each module its own (reference, key), so one batch can hold the
-        candidates of several kernels and keep every build worker busy.
+        candidates of several kernels and keep every build worker busy. ``as_references``
+        (untuned kernels, measured on this host): each module's outputs become the reference
+        of its key, from the same build.
         """
         if not mods:
             return []
+        if as_references is not None and self.spec.kind == "local":
+            t0 = time.time()
+            built = self.builder.build_references(mods, self.target, as_references)
+            self.seconds["build"] += time.time() - t0
+            return self._run(mods, built)
         return self._run(mods, self._build(mods, reference, reference_key, references))
 
     def measure_stream(self, batches: Iterable[tuple], stop: Callable[[], bool] | None = None
@@ -655,12 +716,14 @@ class Measurer:
     def baseline(self) -> Measurer:
         """A measurer sharing this builder that runs once: for slow untuned kernels, where
         one run is long enough to time and repeats would cost seconds each."""
-        spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0,
-                             "rounds": 1})
-        m = Measurer(self.target, spec, builder=self.builder)
-        m.seconds = self.seconds  # one account for both
-        self._baselines.append(m)
-        return m
+        with self._lock:
+            if not self._baselines:
+                spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0,
+                                     "rounds": 1})
+                m = Measurer(self.target, spec, builder=self.builder)
+                m.seconds = self.seconds  # one account for both
+                self._baselines.append(m)
+            return self._baselines[0]
 
     def fleet_usage(self) -> dict[str, int]:
         """Over RPC: the most devices that measured at once, and the runs, of this measurer
@@ -670,6 +733,8 @@ class Measurer:
                 "runs": sum(len(r.sessions) for r in runners)}
 
     def close(self) -> None:
+        if self._warming is not None:  # no worker may start after the pools are shut
+            self._warming.join()
         for m in [self, *self._baselines]:
             close = getattr(m._runner, "close", None)
             if close is not None:  # a fleet runner's pool

@@ -12,6 +12,7 @@ import dataclasses
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +31,9 @@ from .ranking import Candidate, FixedK, Pick, SecondStage, native_candidate, pol
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
 from .space import SPACE_NETWORK, space_candidates
-from .target import cpu_description, host_mcpu, is_foreign, make_target, provenance, target_key
+from .target import cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance, target_key
 from .training import ranker_without
-from .transfer import Transferred, transfer
+from .transfer import Transferred, postprocessors, transfer
 from .tune import tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
@@ -175,20 +176,27 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     rows = {measurements.key(r): r for r in read_jsonl(table)}  # the last row of a key counts
     cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
 
+    # the build and run workers start while the kernels are ranked (Measurer.warm)
+    measurer = Measurer(target, runner)
+    measurer.warm()
     # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
     # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
     t0 = time.time()
-    kernels = model_kernels(model, target)
-    # the table's rows are training data (ttrank train) only with their kernels described
-    measurements.write_kernels(table.parent / "kernels" / f"{model.name}.json", kernels)
-    reports: dict[str, KernelReport] = {}
-    ranked: dict[str, list[Candidate]] = {}
-    for i, k in enumerate(kernels):
-        reports[k.name] = KernelReport(k.name, k.workload_class, k.extents, k.weight, k.flops)
-        ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks, cpu)
-        reports[k.name].candidates = len(ranked[k.name])
-        progress("ranking", i + 1, len(kernels), k.name)
-    stage2 = SecondStage.of(ranker, store, target, exclude_networks)
+    try:
+        kernels = model_kernels(model, target)
+        # the table's rows are training data (ttrank train) only with their kernels described
+        measurements.write_kernels(table.parent / "kernels" / f"{model.name}.json", kernels)
+        reports: dict[str, KernelReport] = {}
+        ranked: dict[str, list[Candidate]] = {}
+        for i, k in enumerate(kernels):
+            reports[k.name] = KernelReport(k.name, k.workload_class, k.extents, k.weight, k.flops)
+            ranked[k.name] = rank_kernel(k, store, ranker, exclude_networks, cpu)
+            reports[k.name].candidates = len(ranked[k.name])
+            progress("ranking", i + 1, len(kernels), k.name)
+        stage2 = SecondStage.of(ranker, store, target, exclude_networks)
+    except BaseException:
+        measurer.close()
+        raise
     t_rank = time.time() - t0
 
     # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
@@ -197,14 +205,14 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # builds would skew the timed runs: Measurer.measure_stream), and each chunk's rows
     # are appended as it finishes (Ctrl-C keeps them).
     t0 = time.time()
+    phases: dict[str, float] = {}  # the measuring phase's parts
     stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
     # the first Ctrl-C stops after the batch being measured (its rows are kept); raised inside
     # the measurer's worker pools it could leave one hung on its lock (ttrank.util)
     with stop_at_safe_points():
-        measurer = Measurer(target, runner)
         chosen, unmeasured, anytime = _measure(
             model, kernels, ranked, reports, policy, stage2, cached, target, measurer, table, stamp,
-            measure_budget_s, t0, t_start, progress)
+            measure_budget_s, t0, t_start, progress, phases)
     if STOP_REQUESTED.is_set():
         raise KeyboardInterrupt
     t_measure = time.time() - t0
@@ -227,7 +235,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     lat = (_time(model, target, compiled, reports, untuned_run_limit_s if time_untuned else 0.0, progress)
            if time_model and compiled is not None else {})
     return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
-                  max_err, {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2),
+                  max_err, {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2), **phases,
                             "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
                             "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                             "total": round(time.time() - t_start, 2)},
@@ -255,17 +263,25 @@ def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
 def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[Candidate]],
              reports: dict[str, KernelReport], policy: FixedK, stage2: SecondStage | None, cached: dict,
              target, measurer: Measurer, table: Path, stamp: dict, budget_s: float | None, t0: float,
-             t_start: float, progress: Progress):
+             t_start: float, progress: Progress, phases: dict[str, float]):
     """Steps 4-5: the untuned kernels, then each kernel's shortlist, measured; the fastest correct
-    pick per kernel. Returns (chosen, candidates left unmeasured, the anytime curve). Closes
-    ``measurer``."""
+    pick per kernel. Returns (chosen, candidates left unmeasured, the anytime curve); the seconds
+    of its first two parts go to ``phases``. Closes ``measurer``."""
     try:
+        t = time.time()
         _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
+        phases["measuring_untuned"] = round(time.time() - t, 2)
+        t = time.time()
         picks, shares = {}, {}
-        for k in kernels:
-            picks[k.name], shares[k.name] = _shortlist(k, ranked[k.name], reports[k.name], reports,
-                                                       policy, stage2, cached, target)
-            progress("transferring", len(picks), len(kernels), k.name)
+        postprocessors(target)  # initialised once, before the threads share them
+        # a transfer is TVM's C++ (replay, postprocessors, features; the GIL is released): the
+        # kernels' shortlists are independent, so one thread per core transfers them
+        with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
+            lists = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
+                                                stage2, cached, target), kernels)
+            for k, (picks[k.name], shares[k.name]) in zip(kernels, lists):
+                progress("transferring", len(picks), len(kernels), k.name)
+        phases["transferring"] = round(time.time() - t, 2)
         anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
         fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
                                            stamp, budget_s, t0, progress,
@@ -284,7 +300,9 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
     """Every untuned kernel first (once each, reused across runs): their shares of the model
     decide how many candidates each kernel gets, and their sum how the whole model is timed."""
     need = [k for k in kernels if (k.workload_hash, UNTUNED) not in cached]
-    for k, m in zip(need, measurer.baseline().measure([k.mod for k in need]) if need else []):
+    # each build also leaves the kernel's outputs as the reference its candidates are checked against
+    done = measurer.baseline().measure([k.mod for k in need], as_references=[k.workload_hash for k in need])
+    for k, m in zip(need, done):
         r = cached[(k.workload_hash, UNTUNED)] = measurements.row(
             network, k, m.status, m.latency_s, m.error, stamp["provenance"], target_key=stamp["target_key"],
             devices=m.devices)

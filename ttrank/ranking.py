@@ -49,6 +49,9 @@ class SecondStage:
         st = ranker.metadata.get("stage2") or {}
         if not st.get("enabled"):
             return None
+        # a network the store does not hold (a user's model under --leave-one-out) changes
+        # nothing: the shipped model, not a minute's refit
+        exclude_networks = set(exclude_networks) & set(store.networks)
         if exclude_networks:
             cm = cost_model_without(exclude_networks, [Path(r.work_dir) for r in store.reports], target)
         else:

@@ -12,6 +12,7 @@ import platform
 import re
 import shutil
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from functools import lru_cache
@@ -305,19 +306,26 @@ def cpu_tensor_intrinsics(target) -> Iterator[None]:
     2-core machine and minutes on a busy one, paid by every tuning process. A CPU target's
     schedule rules use only its ISA's (x86: VNNI/AVX-512/AMX dot products), so the package
     stands in as an empty shell with its real path, that one module is imported into it, and
-    the shell is removed afterwards: a later full import still registers the rest."""
-    isa = isa_intrinsics_module(target)
-    if isa is None or INTRINSICS_PACKAGE in sys.modules:
-        yield
-        return
-    real = importlib.util.find_spec(INTRINSICS_PACKAGE)
-    shell = types.ModuleType(INTRINSICS_PACKAGE)
-    shell.__path__ = list(real.submodule_search_locations or [])
-    shell.__package__ = INTRINSICS_PACKAGE
-    sys.modules[INTRINSICS_PACKAGE] = shell
-    try:
-        importlib.import_module(f"{INTRINSICS_PACKAGE}.{isa}")
-        yield
-    finally:
-        if sys.modules.get(INTRINSICS_PACKAGE) is shell:
-            del sys.modules[INTRINSICS_PACKAGE]
+    the shell is removed afterwards: a later full import still registers the rest.
+
+    One thread at a time: another thread's exit would remove the shell under this one, whose
+    MetaSchedule call would then import the whole package."""
+    with _INTRINSICS_LOCK:
+        isa = isa_intrinsics_module(target)
+        if isa is None or INTRINSICS_PACKAGE in sys.modules:
+            yield
+            return
+        real = importlib.util.find_spec(INTRINSICS_PACKAGE)
+        shell = types.ModuleType(INTRINSICS_PACKAGE)
+        shell.__path__ = list(real.submodule_search_locations or [])
+        shell.__package__ = INTRINSICS_PACKAGE
+        sys.modules[INTRINSICS_PACKAGE] = shell
+        try:
+            importlib.import_module(f"{INTRINSICS_PACKAGE}.{isa}")
+            yield
+        finally:
+            if sys.modules.get(INTRINSICS_PACKAGE) is shell:
+                del sys.modules[INTRINSICS_PACKAGE]
+
+
+_INTRINSICS_LOCK = threading.RLock()

@@ -222,7 +222,7 @@ def _rename_blocks(trace, renames: dict[str, str]):
 _POSTPROCS: dict[str, list] = {}
 
 
-def _postprocessors(target) -> list:
+def postprocessors(target) -> list:
     """MetaSchedule's llvm postprocessors, initialised once per target."""
     from tvm.s_tir import meta_schedule as ms
 
@@ -238,7 +238,7 @@ def _postprocessors(target) -> list:
 
 
 def _postprocess(sch, target) -> bool:
-    return all(p.apply(sch) for p in _postprocessors(target))
+    return all(p.apply(sch) for p in postprocessors(target))
 
 
 def _apply(kernel_mod, trace, method: str, target):
