@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -74,9 +75,13 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_
     # a model without convs stays as it is, before any packing or extraction
     bert = zoo.load(str(tiny_bert))
     assert coverage.choose_layout(bert, store, target) == (bert, "no conv to pack") and not bert.kernel_cache
-    # nor is a model packed whose convs the packing mostly cannot reach (grouped ones)
-    model, why = coverage.choose_layout(as_imported, store, target, max_unpacked=-1)
-    assert model.layout == "nchw" and "have no packed form" in why
+    # a conv the packing cannot reach (4 channels a group) stays NCHW inside a packed model while
+    # it holds little of the conv FLOPs; a model whose unreachable convs hold more stays NCHW
+    grouped = zoo.load(str(_grouped_model(tmp_path / "grouped.onnx")))
+    model, why = coverage.choose_layout(grouped, store, target)
+    assert model.layout == "nchwc", why
+    model, why = coverage.choose_layout(grouped, store, target, max_unpacked=0.01)
+    assert model.layout == "nchw" and "1 of its 4 convs" in why and "have no packed form" in why
     # leaving the network out leaves its packed set out too
     model, _ = coverage.choose_layout(as_imported, store, target, exclude_networks={"tiny_cnn"})
     assert model.layout == "nchw"
@@ -117,6 +122,18 @@ def test_weight_and_bias_transforms_are_folded_at_load_as_compiling_would(tiny_c
     assert transform_constant(w, pad) is None
 
 
+def _grouped_model(path: Path) -> Path:
+    """Two dense convs and two grouped ones: 16 channels a group (whole blocks of 8 and 16),
+    and 4 a group (no packed form: it stays NCHW, with 5% of the conv FLOPs)."""
+    g = zoo.GraphBuilder("grouped", seed=0)
+    x = g.relu(g.conv(g.input("input", [1, 16, 14, 14]), 16, 64, 1))
+    x = g.relu(g.conv(x, 64, 64, 3, groups=4))
+    x = g.relu(g.conv(x, 64, 64, 3, stride=2, groups=16))
+    g.output(g.conv(x, 64, 32, 1), [1, 32, 7, 7])
+    onnx.save(g.model(), str(path))
+    return path
+
+
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_grouped_convs_are_packed_when_their_groups_hold_whole_blocks(tmp_path, target, lanes):
     """ResNeXt's 3x3 convs (32 groups of 16 channels and more): ``ConvertLayout`` packs them,
@@ -124,14 +141,7 @@ def test_grouped_convs_are_packed_when_their_groups_hold_whole_blocks(tmp_path, 
     loops, so dense packed donors are candidates), and the compiled model matches onnxruntime."""
     from ttrank import runtime
 
-    g = zoo.GraphBuilder("grouped", seed=0)
-    x = g.relu(g.conv(g.input("input", [1, 16, 14, 14]), 16, 64, 1))
-    x = g.relu(g.conv(x, 64, 64, 3, groups=4))  # 16 channels a group: whole blocks of 8 and 16
-    x = g.relu(g.conv(x, 64, 64, 3, stride=2, groups=16))  # 4 a group: stays NCHW
-    g.output(g.conv(x, 64, 32, 1), [1, 32, 7, 7])
-    path = tmp_path / "grouped.onnx"
-    onnx.save(g.model(), str(path))
-    model = frontend.load(path)
+    model = frontend.load(_grouped_model(tmp_path / "grouped.onnx"))
     stats: dict = {}
     packed = dataclasses.replace(model, mod=layouts.pack_conv2d_nchwc(model.mod, target, lanes=lanes, stats=stats),
                                  layout="nchwc", kernel_cache={})
