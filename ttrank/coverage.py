@@ -79,7 +79,7 @@ def choose_layout(model: LoadedModel, store: DonorStore, target,
     except ModelLoadError as e:  # the packing pass cannot rewrite this graph: as exported
         return model, f"its convs cannot be packed ({e})"
     left = count_unpacked_convs(packed_model.mod)
-    kernels = model_kernels(packed_model, target) if left else []
+    kernels = model_kernels(packed_model, target)  # cached: recommend extracts them once
     # each conv left unpacked sits between transforms of its data to and from NCHW; what they
     # cost follows the work left there. ResNeXt-50, with 7 of its 53 convs (the small-group 3x3s,
     # 2% of the conv FLOPs) left unpacked, ran 51.6 ms packed against 69.5 ms NCHW
@@ -90,7 +90,7 @@ def choose_layout(model: LoadedModel, store: DonorStore, target,
     if left and unpacked > max_unpacked * conv_flops:
         return model, (f"{left} of its {convs} convs (grouped, transposed, 1-D), "
                        f"{unpacked / max(conv_flops, 1.0):.0%} of the conv FLOPs, have no packed form")
-    packed = [k for k in model_kernels(packed_model, target) if PACKED_CONV in k.anchor_op]
+    packed = [k for k in kernels if PACKED_CONV in k.anchor_op]
     if not packed:
         return model, "no conv to pack"
     bare = [k.name for k in packed if not store.compatible(k, set(exclude_networks))]
