@@ -25,10 +25,18 @@ def installed(tmp_path_factory) -> Path:
     shutil.copytree(REPO / "ttrank", src / "ttrank", ignore=shutil.ignore_patterns("__pycache__"))
     site = tmp / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
-                        "--target", str(site), str(src)], capture_output=True, text=True, timeout=600)
+                        "--target", str(site), str(src)], capture_output=True, text=True, timeout=600,
+                       env=_pip_env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (site / "datasets").exists() and (site / "bin" / "ttrank").exists()
     return site
+
+
+def _pip_env() -> dict[str, str]:
+    """This environment without CA-bundle variables that name a missing file: with one, pip
+    refuses even a local index (seen on a machine whose /etc/ssl was gone)."""
+    certs = ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+    return {k: v for k, v in os.environ.items() if not (k in certs and not os.path.exists(v))}
 
 
 def _ttrank(site: Path, cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
