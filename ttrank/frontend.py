@@ -18,6 +18,7 @@ import psutil
 
 from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeError,
                      UnsafeModelError, UnsupportedOpError)
+from .decompose import rewrite_unsupported
 from .graphopt import clean_up
 from .layouts import LAYOUTS, apply_layout
 from .util import to_native_log
@@ -420,6 +421,11 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     model = read_onnx(path)
     specs = bind_input_shapes(model, input_shapes or {})
     check_sizes(model, specs, path)
+    # onnxruntime checks the compiled model against the graph as given, not against a rewrite
+    reference = model
+    model, rewritten = rewrite_unsupported(model, str(path))
+    if rewritten:
+        log.info("rewrote %s into ops TVM's importer has", ", ".join(rewritten))
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
@@ -450,7 +456,8 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     if fast_math:
         mod = with_fast_math(mod)
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), model, specs, mod, {}, simplified, fast_math, because).in_layout(
+    return LoadedModel(str(path), reference if rewritten else model, specs, mod, {}, simplified, fast_math,
+                       because).in_layout(
         layout, target)
 
 

@@ -1,0 +1,353 @@
+"""ONNX ops that TVM's importer lacks, rewritten into ops it has, before the import.
+
+Recurrent layers (LSTM, GRU, RNN: OCR recognisers, speech and time-series models) are unrolled
+over their sequence, whose length is static once the inputs' shapes are bound; Celu and
+LpNormalization become their formulas. The rewrite uses only ops whose signature no opset
+changed (MatMul, Reshape, Concat, Transpose, element-wise ops), and Split and Squeeze in the
+form of the model's own opset. onnxruntime still runs the original graph: it stays the reference each
+compiled model is checked against, so a wrong rewrite cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .errors import UnsupportedOpError
+
+# what this module rewrites, and the gates per recurrent op (in ONNX's weight order)
+RECURRENT_GATES = {"LSTM": "iofc", "GRU": "zrh", "RNN": "i"}
+REWRITTEN = (*RECURRENT_GATES, "Celu", "LpNormalization")
+# the default activations per recurrent op (f, g, h)
+_DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
+# activations with an alpha / a beta, and ONNX's defaults for them
+_ALPHA = {"LeakyRelu": 0.01, "ThresholdedRelu": 1.0, "HardSigmoid": 0.2, "Elu": 1.0, "Affine": 1.0,
+          "ScaledTanh": 1.0}
+_BETA = {"HardSigmoid": 0.5, "Affine": 0.0, "ScaledTanh": 1.0}
+_PLAIN = ("Sigmoid", "Tanh", "Relu", "Softsign", "Softplus")
+
+
+def rewrite_unsupported(model: onnx.ModelProto, path: str = "") -> tuple[onnx.ModelProto, list[str]]:
+    """``model`` with each node of :data:`REWRITTEN` in its main graph rewritten, and the op
+    types rewritten (none: ``model`` itself comes back). ``model``'s input shapes must be bound
+    (:func:`ttrank.frontend.bind_input_shapes`): unrolling needs the sequence length."""
+    nodes = list(model.graph.node)
+    if not any(n.op_type in REWRITTEN and n.domain in ("", "ai.onnx") for n in nodes):
+        return model, []
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = _Graph(out, path)
+    new_nodes: list[onnx.NodeProto] = []
+    done: set[str] = set()
+    for n in nodes:
+        if n.op_type in REWRITTEN and n.domain in ("", "ai.onnx"):
+            g.nodes = new_nodes
+            _REWRITES[n.op_type](g, n)
+            done.add(n.op_type)
+        else:
+            new_nodes.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(new_nodes)
+    # the rewritten nodes' weights now live transposed and split in new constants
+    used = {i for n in new_nodes for i in n.input} | {o.name for o in out.graph.output}
+    keep = [i for i in out.graph.initializer if i.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(keep)
+    return out, sorted(done)
+
+
+class _Graph:
+    """Appends nodes and constants to a graph with fresh names; knows static shapes and
+    constant values."""
+
+    def __init__(self, model: onnx.ModelProto, path: str) -> None:
+        self.model, self.path = model, path
+        self.nodes: list[onnx.NodeProto] = []
+        self._n = 0
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        taken = {i.name for i in model.graph.initializer} | {v.name for v in model.graph.input}
+        taken |= {o for n in model.graph.node for o in n.output}
+        self._taken = taken
+        self.consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+        for n in model.graph.node:
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+                self.consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model)
+        except Exception:  # noqa: BLE001 - a graph shape inference cannot follow: no static shapes
+            inferred = model
+        self.shapes: dict[str, list[int | None]] = {}
+        for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+                self.shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None
+                                       for d in v.type.tensor_type.shape.dim]
+
+    def fresh(self, hint: str) -> str:
+        while True:
+            self._n += 1
+            name = f"{hint}__ttrank{self._n}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    def const(self, hint: str, value: np.ndarray) -> str:
+        name = self.fresh(hint)
+        self.model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], hint: str, out: str | None = None, **attrs) -> str:
+        out = out or self.fresh(hint)
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(hint), **attrs))
+        return out
+
+    def steps(self, x: str, n: int, hint: str) -> list[str]:
+        """``x[0], ..., x[n-1]`` along axis 0 (which has length ``n``), the axis dropped: one
+        Split into equal parts, in the form of the model's opset, and a Squeeze each. (Gathers
+        or Slices would each be a kernel of its own: one per step, every one measured.)"""
+        if n == 1:
+            parts = [x]
+        elif self.opset < 18:  # no sizes given: equal parts
+            parts = [self.fresh(hint) for _ in range(n)]
+            self.nodes.append(helper.make_node("Split", [x], parts, name=self.fresh(hint), axis=0))
+        else:
+            parts = [self.fresh(hint) for _ in range(n)]
+            self.nodes.append(helper.make_node("Split", [x], parts, name=self.fresh(hint), axis=0, num_outputs=n))
+        if self.opset < 13:
+            return [self.op("Squeeze", [p], hint, axes=[0]) for p in parts]
+        axis = self.const("axis", np.array([0], np.int64))
+        return [self.op("Squeeze", [p, axis], hint) for p in parts]
+
+    def const_input(self, node: onnx.NodeProto, i: int, what: str) -> np.ndarray | None:
+        """Input ``i`` of ``node`` as a constant, None when absent; not constant: refused."""
+        name = node.input[i] if i < len(node.input) else ""
+        if not name:
+            return None
+        if name not in self.consts:
+            raise UnsupportedOpError(f"{self.path}: {node.op_type} {node.name!r}: its {what} is computed at "
+                                     "run time; ttrank rewrites recurrent layers whose weights are constants")
+        return self.consts[name]
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _activation(g: _Graph, name: str, alpha: float | None, beta: float | None) -> Callable[[str], str]:
+    """An RNN activation by its ONNX name, as a function appending its nodes."""
+    name = name.decode() if isinstance(name, bytes) else name
+    key = {k.lower(): k for k in (*_PLAIN, *_ALPHA)}.get(name.lower())
+    if key is None:
+        raise UnsupportedOpError(f"{g.path}: recurrent activation {name!r} is not supported")
+    a = _ALPHA.get(key) if alpha is None else alpha
+    b = _BETA.get(key) if beta is None else beta
+    if key in _PLAIN:
+        return lambda x: g.op(key, [x], key.lower())
+    if key in ("LeakyRelu", "ThresholdedRelu", "Elu"):
+        return lambda x: g.op(key, [x], key.lower(), alpha=float(a))
+    if key == "HardSigmoid":
+        return lambda x: g.op(key, [x], "hardsigmoid", alpha=float(a), beta=float(b))
+    if key == "Affine":
+        return lambda x: g.op("Add", [g.op("Mul", [x, g.const("alpha", np.float32(a))], "affine"),
+                                      g.const("beta", np.float32(b))], "affine")
+    # ScaledTanh: alpha * tanh(beta * x)
+    return lambda x: g.op("Mul", [g.op("Tanh", [g.op("Mul", [x, g.const("beta", np.float32(b))], "stanh")],
+                                       "stanh"), g.const("alpha", np.float32(a))], "stanh")
+
+
+def _activations(g: _Graph, node: onnx.NodeProto, at: dict, directions: int) -> list[list[Callable]]:
+    """Per direction, the op's activation functions (f, g, h), alphas and betas consumed in
+    order by the activations that take one."""
+    per = len(_DEFAULT_ACTIVATIONS[node.op_type])
+    names = list(at.get("activations") or _DEFAULT_ACTIVATIONS[node.op_type] * directions)
+    if len(names) == per and directions == 2:
+        names = names * 2
+    if len(names) != per * directions:
+        raise UnsupportedOpError(f"{g.path}: {node.op_type} {node.name!r}: {len(names)} activations "
+                                 f"for {directions} direction(s)")
+    alphas, betas = list(at.get("activation_alpha") or []), list(at.get("activation_beta") or [])
+    fns = []
+    for nm in names:
+        s = nm.decode() if isinstance(nm, bytes) else nm
+        takes_a = s.lower() in {k.lower() for k in _ALPHA}
+        takes_b = s.lower() in {k.lower() for k in _BETA}
+        a = alphas.pop(0) if takes_a and alphas else None
+        b = betas.pop(0) if takes_b and betas else None
+        fns.append(_activation(g, s, a, b))
+    return [fns[d * per:(d + 1) * per] for d in range(directions)]
+
+
+def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
+    """LSTM, GRU or RNN, unrolled: the input projections of all steps in one MatMul per gate,
+    then per step the recurrent MatMuls and the gate arithmetic of the ONNX spec."""
+    kind, gates = node.op_type, RECURRENT_GATES[node.op_type]
+    at = _attrs(node)
+    direction = at.get("direction", b"forward")
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
+    if dirs is None:
+        raise UnsupportedOpError(f"{g.path}: {kind} {node.name!r}: unknown direction {direction!r}")
+    layout = int(at.get("layout", 0))
+    clip = at.get("clip")
+    W = g.const_input(node, 1, "input weight W")
+    R = g.const_input(node, 2, "recurrent weight R")
+    B = g.const_input(node, 3, "bias B")
+    P = g.const_input(node, 7, "peephole weight P") if kind == "LSTM" else None
+    H = int(at.get("hidden_size") or R.shape[-1])
+    G = len(gates)
+    x = node.input[0]
+    shape = g.shapes.get(x)
+    steps = shape[layout] if shape and len(shape) == 3 else None
+    if not steps:
+        raise UnsupportedOpError(f"{g.path}: {kind} {node.name!r}: its sequence length is known only at "
+                                 "run time; bind the input shapes (--input-shape) to unroll it")
+    lens_name = node.input[4] if len(node.input) > 4 else ""
+    if lens_name:
+        lens = g.consts.get(lens_name)
+        if lens is None or not np.all(lens == steps):
+            raise UnsupportedOpError(f"{g.path}: {kind} {node.name!r}: per-sample sequence lengths "
+                                     "(sequence_lens) are not supported")
+    if layout == 1:  # [batch, seq, in] -> [seq, batch, in]
+        x = g.op("Transpose", [x], "x_seq_first", perm=[1, 0, 2])
+    init_h = node.input[5] if len(node.input) > 5 and node.input[5] else None
+    init_c = node.input[6] if kind == "LSTM" and len(node.input) > 6 and node.input[6] else None
+    if init_h and layout == 1:
+        init_h = g.op("Transpose", [init_h], "h0", perm=[1, 0, 2])
+    if init_c and layout == 1:
+        init_c = g.op("Transpose", [init_c], "c0", perm=[1, 0, 2])
+    acts = _activations(g, node, at, len(dirs))
+    lbr = int(at.get("linear_before_reset", 0))
+
+    def clipped(v: str) -> str:
+        if clip is None:
+            return v
+        lo, hi = g.const("clip_lo", np.array(-clip, W.dtype)), g.const("clip_hi", np.array(clip, W.dtype))
+        return g.op("Min", [g.op("Max", [v, lo], "clip"), hi], "clip")
+
+    ys, last_h, last_c = [], [], []
+    for d, reverse in enumerate(dirs):
+        f, gg, hh = (acts[d] + [None, None])[:3]
+        wd, rd = W[d], R[d]
+        wb = B[d][:G * H] if B is not None else np.zeros(G * H, W.dtype)
+        rb = B[d][G * H:] if B is not None else np.zeros(G * H, W.dtype)
+        sl = {gate: slice(i * H, (i + 1) * H) for i, gate in enumerate(gates)}
+        # the input projection of every step at once: [seq, batch, H] per gate
+        xw = {}
+        for gate in gates:
+            bias = wb[sl[gate]] + (rb[sl[gate]] if not (kind == "GRU" and gate == "h" and lbr) else 0)
+            xw[gate] = g.op("Add", [g.op("MatMul", [x, g.const(f"w{gate}", wd[sl[gate]].T)], f"xw{gate}"),
+                                    g.const(f"b{gate}", bias.astype(W.dtype))], f"xw{gate}")
+        rt = {gate: g.const(f"r{gate}", rd[sl[gate]].T) for gate in gates}
+        h = g.steps(init_h, len(dirs), "h0")[d] if init_h else None
+        c = g.steps(init_c, len(dirs), "c0")[d] if init_c else None
+        xs = {gate: g.steps(xw[gate], steps, f"x{gate}") for gate in gates}
+        # peepholes, in P's order i, o, f
+        peeps = {k: g.const(f"p{k}", P[d][i * H:(i + 1) * H]) for i, k in enumerate("iof")} if P is not None else {}
+        outs = {}
+        for t in (reversed(range(steps)) if reverse else range(steps)):
+            xt = {gate: xs[gate][t] for gate in gates}
+
+            def pre(gate: str, extra: str | None = None) -> str:
+                """x_t W^T + h_{t-1} R^T (+ extra) for one gate; no recurrent term at h = 0."""
+                v = xt[gate] if h is None else g.op("Add", [xt[gate], g.op("MatMul", [h, rt[gate]], "hr")], "pre")
+                return v if extra is None else g.op("Add", [v, extra], "pre")
+
+            if kind == "LSTM":
+                def peep(gate: str, cell: str | None) -> str | None:
+                    return g.op("Mul", [peeps[gate], cell], "peep") if peeps and cell is not None else None
+
+                i_t = f(clipped(pre("i", peep("i", c))))
+                if int(at.get("input_forget", 0)):
+                    f_t = g.op("Sub", [g.const("one", np.ones((), W.dtype)), i_t], "f")
+                else:
+                    f_t = f(clipped(pre("f", peep("f", c))))
+                c_new = g.op("Mul", [i_t, gg(clipped(pre("c")))], "ic")
+                if c is not None:
+                    c_new = g.op("Add", [g.op("Mul", [f_t, c], "fc"), c_new], "c")
+                o_t = f(clipped(pre("o", peep("o", c_new))))
+                h, c = g.op("Mul", [o_t, hh(c_new)], "h"), c_new
+            elif kind == "GRU":
+                z_t, r_t = f(clipped(pre("z"))), f(clipped(pre("r")))
+                if lbr:  # h~ = g(x Wh^T + Wbh + r * (h Rh^T + Rbh))
+                    rbh = g.const("rbh", rb[sl["h"]])
+                    rec = rbh if h is None else g.op("Add", [g.op("MatMul", [h, rt["h"]], "hr"), rbh], "hr")
+                    cand = g.op("Add", [xt["h"], g.op("Mul", [r_t, rec], "rh")], "pre")
+                elif h is None:  # (r * 0) Rh^T vanishes
+                    cand = xt["h"]
+                else:  # h~ = g(x Wh^T + (r * h) Rh^T + Wbh + Rbh)
+                    rh = g.op("MatMul", [g.op("Mul", [r_t, h], "rh"), rt["h"]], "hr")
+                    cand = g.op("Add", [xt["h"], rh], "pre")
+                h_new = gg(clipped(cand))
+                # (1 - z) * h~ + z * h, as h~ + z * (h - h~); with h = 0, h~ - z * h~
+                if h is None:
+                    h = g.op("Sub", [h_new, g.op("Mul", [z_t, h_new], "zh")], "h")
+                else:
+                    h = g.op("Add", [h_new, g.op("Mul", [z_t, g.op("Sub", [h, h_new], "d")], "zd")], "h")
+            else:
+                h = f(clipped(pre("i")))
+            outs[t] = h
+        ys.append(g.op("Concat", [g.op("Reshape", [outs[t], g.const("shape", np.array([1, 1, -1, H], np.int64))],
+                                       "y_t") for t in range(steps)], "y", axis=0))
+        last_h.append(g.op("Reshape", [h, g.const("shape", np.array([1, -1, H], np.int64))], "h_last"))
+        if kind == "LSTM":
+            last_c.append(g.op("Reshape", [c, g.const("shape", np.array([1, -1, H], np.int64))], "c_last"))
+    outputs = list(node.output) + [""] * 3
+
+    def emit(parts: list[str], axis: int, perm: list[int] | None, name: str) -> None:
+        if not name:
+            return
+        whole = parts[0] if len(parts) == 1 else g.op("Concat", parts, "dirs", axis=axis)
+        if perm is not None:
+            g.op("Transpose", [whole], "out", out=name, perm=perm)
+        else:
+            g.op("Identity", [whole], "out", out=name)
+
+    emit(ys, 1, [2, 0, 1, 3] if layout == 1 else None, outputs[0])
+    emit(last_h, 0, [1, 0, 2] if layout == 1 else None, outputs[1])
+    if kind == "LSTM":
+        emit(last_c, 0, [1, 0, 2] if layout == 1 else None, outputs[2])
+
+
+def _celu(g: _Graph, node: onnx.NodeProto) -> None:
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+    a = float(_attrs(node).get("alpha", 1.0))
+    x, zero = node.input[0], g.const("zero", np.float32(0))
+    neg = g.op("Mul", [g.op("Sub", [g.op("Exp", [g.op("Div", [x, g.const("alpha", np.float32(a))], "celu")],
+                                         "celu"), g.const("one", np.float32(1))], "celu"),
+                       g.const("alpha", np.float32(a))], "celu")
+    g.op("Add", [g.op("Max", [x, zero], "celu"), g.op("Min", [neg, zero], "celu")], "celu", out=node.output[0])
+
+
+def _lp_normalization(g: _Graph, node: onnx.NodeProto) -> None:
+    """x / ||x||_p along ``axis`` (p 1 or 2), the norm kept as a broadcastable axis."""
+    at = _attrs(node)
+    axis, p = int(at.get("axis", -1)), int(at.get("p", 2))
+    if p not in (1, 2):
+        raise UnsupportedOpError(f"{g.path}: LpNormalization {node.name!r}: p={p} (ONNX allows 1 and 2)")
+    x = node.input[0]
+    shape = g.shapes.get(x)
+    if not shape:
+        raise UnsupportedOpError(f"{g.path}: LpNormalization {node.name!r}: the input's rank is unknown")
+    axis %= len(shape)
+    # a MatMul by a ones column sums over the last axis in any opset (ReduceSum's axes moved)
+    perm = [i for i in range(len(shape)) if i != axis] + [axis]
+    back = list(np.argsort(perm))
+    xt = g.op("Transpose", [x], "lpn", perm=perm) if axis != len(shape) - 1 else x
+    mag = g.op("Abs", [xt], "lpn") if p == 1 else g.op("Mul", [xt, xt], "lpn")
+    n = shape[axis]
+    if not n:
+        raise UnsupportedOpError(f"{g.path}: LpNormalization {node.name!r}: the normalised axis is dynamic")
+    norm = g.op("MatMul", [mag, g.const("ones", np.ones((n, 1), np.float32))], "lpn")
+    if p == 2:
+        norm = g.op("Sqrt", [norm], "lpn")
+    y = g.op("Div", [xt, norm], "lpn")
+    if axis != len(shape) - 1:
+        g.op("Transpose", [y], "lpn", out=node.output[0], perm=[int(i) for i in back])
+    else:
+        g.op("Identity", [y], "lpn", out=node.output[0])
+
+
+_REWRITES: dict[str, Callable[[_Graph, onnx.NodeProto], None]] = {
+    "LSTM": _recurrent, "GRU": _recurrent, "RNN": _recurrent, "Celu": _celu, "LpNormalization": _lp_normalization}
