@@ -124,3 +124,27 @@ def test_a_crnn_text_recogniser_compiles_and_matches_onnxruntime(tmp_path, targe
                                        model)
     res = runtime.check_against_onnxruntime(built, model)
     assert res.ok, res.max_abs_error
+
+
+def test_a_sequence_length_computed_by_shape_ops_is_followed(tmp_path, target):
+    """torch.onnx writes reshapes whose target shape is computed from Shape(x) at run time."""
+    rng = np.random.default_rng(4)
+    steps, feat, hidden = 6, 8, 5
+    inits = [numpy_helper.from_array(rng.normal(size=(1, 3 * hidden, feat)).astype("float32"), "W"),
+             numpy_helper.from_array(rng.normal(size=(1, 3 * hidden, hidden)).astype("float32"), "R"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array([1, -1], np.int64), "rest")]
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["n"]),  # the sequence length, at run time
+             helper.make_node("Concat", ["n", "rest"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["seq"]),
+             helper.make_node("GRU", ["seq", "W", "R"], ["y"], hidden_size=hidden, linear_before_reset=1)]
+    graph = helper.make_graph(nodes, "gru", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [steps, 1, 2, hidden])], inits)
+    path = tmp_path / "gru.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    model = frontend.load(path)
+    built = runtime.CompiledModel.load(runtime.export(runtime.compile_model(model, target), tmp_path / "m.so"),
+                                       model)
+    assert runtime.check_against_onnxruntime(built, model).ok

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .errors import UnsupportedOpError
+from .errors import DynamicShapeError, UnsupportedOpError
 
 # what this module rewrites, and the gates per recurrent op (in ONNX's weight order)
 RECURRENT_GATES = {"LSTM": "iofc", "GRU": "zrh", "RNN": "i"}
@@ -76,7 +76,8 @@ class _Graph:
             if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
                 self.consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
         try:
-            inferred = onnx.shape_inference.infer_shapes(model)
+            # data_prop: shapes computed by Shape/Gather/Concat (as exporters write them) too
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
         except Exception:  # noqa: BLE001 - a graph shape inference cannot follow: no static shapes
             inferred = model
         self.shapes: dict[str, list[int | None]] = {}
@@ -201,8 +202,8 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
     shape = g.shapes.get(x)
     steps = shape[layout] if shape and len(shape) == 3 else None
     if not steps:
-        raise UnsupportedOpError(f"{g.path}: {kind} {node.name!r}: its sequence length is known only at "
-                                 "run time; bind the input shapes (--input-shape) to unroll it")
+        raise DynamicShapeError(f"{g.path}: {kind} {node.name!r}: its sequence length is known only at "
+                                "run time; bind the input shapes (--input-shape) to unroll it")
     lens_name = node.input[4] if len(node.input) > 4 else ""
     if lens_name:
         lens = g.consts.get(lens_name)

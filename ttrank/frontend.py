@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 import psutil
 
+from .decompose import rewrite_unsupported
 from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeError,
                      UnsafeModelError, UnsupportedOpError)
-from .decompose import rewrite_unsupported
 from .graphopt import clean_up
 from .layouts import LAYOUTS, apply_layout
 from .util import to_native_log
@@ -423,15 +423,22 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     check_sizes(model, specs, path)
     # onnxruntime checks the compiled model against the graph as given, not against a rewrite
     reference = model
-    model, rewritten = rewrite_unsupported(model, str(path))
+    simplified, because = False, ""
+    try:
+        model, rewritten = rewrite_unsupported(model, str(path))
+    except DynamicShapeError as e:
+        if simplify_graph == "never":
+            raise
+        # a sequence length that shape inference cannot follow: onnxslim folds the shape math
+        model, rewritten = rewrite_unsupported(_simplify(model, path), str(path))
+        simplified, because = True, str(e).split(": ", 1)[-1]
     if rewritten:
         log.info("rewrote %s into ops TVM's importer has", ", ".join(rewritten))
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
                                  + ", ".join(missing))
-    simplified, because = False, ""
-    if simplify_graph == "always":
+    if simplify_graph == "always" and not simplified:
         model, simplified = _simplify(model, path), True
     mod, failed, op = _import(model, specs)
     # an invalid file explains a failure best: say so in the error (checked only then: it
