@@ -1,6 +1,6 @@
 """Ops TVM's ONNX importer lacks (LSTM, GRU, RNN, Celu, LpNormalization) are rewritten into ops it
 has; the rewrite computes what onnxruntime computes, and a CRNN-style text recogniser compiles and
-matches onnxruntime end to end."""
+matches onnxruntime end to end. An If that the bound input shapes make constant folds away."""
 
 from __future__ import annotations
 
@@ -145,6 +145,30 @@ def test_a_sequence_length_computed_by_shape_ops_is_followed(tmp_path, target):
     path = tmp_path / "gru.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     model = frontend.load(path)
+    built = runtime.CompiledModel.load(runtime.export(runtime.compile_model(model, target), tmp_path / "m.so"),
+                                       model)
+    assert runtime.check_against_onnxruntime(built, model).ok
+
+
+def test_an_if_on_a_condition_fixed_by_the_bound_shapes_folds_away(tmp_path, target):
+    """An exporter's shape guard: If(batch == 1) -> Relu else Sigmoid. TVM's importer has no If;
+    with the input shapes bound the condition is a constant, and the graph imports without it."""
+    def branch(op, out):
+        return helper.make_graph([helper.make_node(op, ["a"], [out])], op.lower(), [],
+                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, 4])])
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+             helper.make_node("Equal", ["n", "one"], ["cond"]), helper.make_node("Abs", ["x"], ["a"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=branch("Relu", "t"),
+                              else_branch=branch("Sigmoid", "e"))]
+    graph = helper.make_graph(nodes, "guard", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+                              [numpy_helper.from_array(np.array(0, np.int64), "i0"),
+                               numpy_helper.from_array(np.array(1, np.int64), "one")])
+    path = tmp_path / "guard.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    model = frontend.load(path)
+    assert model.simplified and "If" in model.simplified_because
     built = runtime.CompiledModel.load(runtime.export(runtime.compile_model(model, target), tmp_path / "m.so"),
                                        model)
     assert runtime.check_against_onnxruntime(built, model).ok

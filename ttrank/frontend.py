@@ -432,12 +432,24 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
         # a sequence length that shape inference cannot follow: onnxslim folds the shape math
         model, rewritten = rewrite_unsupported(_simplify(model, path), str(path))
         simplified, because = True, str(e).split(": ", 1)[-1]
-    if rewritten:
-        log.info("rewrote %s into ops TVM's importer has", ", ".join(rewritten))
     missing = unsupported_ops(model)
+    if missing and simplify_graph != "never" and not simplified:
+        # exporters guard shapes with an If on a condition that is constant once the inputs are
+        # bound; onnxslim folds such an If into its branch (and the rewrite runs again after it)
+        try:
+            model = _simplify(model, path)
+        except ImporterError:
+            pass
+        else:
+            simplified, because = True, f"{', '.join(missing)} as exported"
+            model, more = rewrite_unsupported(model, str(path))
+            rewritten = sorted({*rewritten, *more})
+            missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
                                  + ", ".join(missing))
+    if rewritten:
+        log.info("rewrote %s into ops TVM's importer has", ", ".join(rewritten))
     if simplify_graph == "always" and not simplified:
         model, simplified = _simplify(model, path), True
     mod, failed, op = _import(model, specs)
