@@ -71,6 +71,25 @@ def _export(rt_mod, artifact_dir: str, target=None) -> str:
     return path
 
 
+def alloc_in_bounds(device, args_info, alloc_repeat: int) -> list:
+    """MetaSchedule's argument allocation for the local runner (random floats), with integer
+    tensors zero: they are indices more often than not (take, gather, embedding lookups), and
+    random ones fall outside the table, so the kernel crashed instead of being timed."""
+    import numpy as np
+    import tvm
+    from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
+
+    random_fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
+
+    def fill(arr) -> None:
+        if arr.dtype.startswith(("int", "uint", "bool")):
+            arr.copyfrom(np.zeros(tuple(arr.shape), dtype=arr.dtype))
+        else:
+            random_fill(arr)
+
+    return alloc_argument_common(fill, device, args_info, alloc_repeat)
+
+
 def _random_args(func, seed: int = 0):
     """Deterministic inputs for a PrimFunc: normal floats, zero integers (always in bounds)."""
     import numpy as np
@@ -372,8 +391,8 @@ class RunnerSpec:
         from tvm.s_tir.meta_schedule.runner import LocalRunner
 
         if self.kind == "local":
-            return LocalRunner(timeout_sec=self.timeout_sec,
-                               evaluator_config=self.evaluator_config())
+            return LocalRunner(timeout_sec=self.timeout_sec, evaluator_config=self.evaluator_config(),
+                               f_alloc_argument=alloc_in_bounds)
         if self.kind == "rpc":
             return FleetRunner(self.tracker(), self.evaluator_config(),
                                session_timeout_s=self.timeout_sec, device_wait_s=self.device_wait_s)
