@@ -94,6 +94,18 @@ def paddle_style(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lookup_kernel():
+    """An embedding lookup's kernel: 128 int64 indices into a 1000-row table."""
+    import tvm
+    from tvm import te
+
+    table = te.placeholder((1000, 64), "float32", "table")
+    ids = te.placeholder((128,), "int64", "ids")
+    rows = te.compute((128, 64), lambda i, j: table[ids[i], j], name="take")
+    return tvm.IRModule({"main": te.create_prim_func([table, ids, rows])})
+
+
+@pytest.fixture(scope="session")
 def unsupported_op_model(model_dir) -> Path:
     node = helper.make_node("Det", ["x"], ["y"])
     graph = helper.make_graph([node], "det",

@@ -15,7 +15,7 @@ def tracker():
         yield f.address, f.tracker.key
 
 
-def test_measure_through_rpc_tracker(tracker, tiny_cnn):
+def test_measure_through_rpc_tracker(tracker, tiny_cnn, lookup_kernel):
     address, key = tracker
     target = make_target()
     model = frontend.load(tiny_cnn)
@@ -25,8 +25,9 @@ def test_measure_through_rpc_tracker(tracker, tiny_cnn):
         res = m.measure([k.mod for k in ks], reference=ks[0].mod, reference_key="rpc-ref")
         assert res[0].ok and res[0].latency_s > 0  # the reference against itself
         assert res[1].status == "wrong_result"  # a different kernel is caught before running
-        res = m.measure([ks[1].mod])
+        res = m.measure([ks[1].mod, lookup_kernel])
         assert res[0].ok and len(res[0].all_secs) == m.spec.repeat * m.spec.rounds
+        assert res[1].ok, res[1].error  # its indices in bounds on the device too
     finally:
         m.close()
     assert m.spec.describe() == f"rpc://{address}/{key}"

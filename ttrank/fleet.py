@@ -229,6 +229,26 @@ def one_cpu(devices: dict[str, dict], key: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # The runner
 
+def alloc_in_bounds(device, args_info, alloc_repeat: int, random_fill=None) -> list:
+    """MetaSchedule's argument allocation (random floats) with integer tensors zero: they are
+    indices more often than not (take, gather, embedding lookups), and random ones fall outside
+    the table, so the kernel crashed instead of being timed. ``random_fill``: an RPC session's
+    (default: this process's)."""
+    import numpy as np
+    import tvm
+    from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
+
+    random_fill = random_fill or tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
+
+    def fill(arr) -> None:
+        if arr.dtype.startswith(("int", "uint", "bool")):
+            arr.copyfrom(np.zeros(tuple(arr.shape), dtype=arr.dtype))
+        else:
+            random_fill(arr)
+
+    return alloc_argument_common(fill, device, args_info, alloc_repeat)
+
+
 # per worker process: what each device said about itself (asked once per device)
 _ANSWERS: dict[str, dict] = {}
 
@@ -237,11 +257,11 @@ def run_on_device(tracker: Tracker, session_timeout_s: float, evaluator_config: 
                   artifact_path: str, device_type: str, args_info: tuple) -> dict[str, Any]:
     """Measure one built candidate on whichever device the tracker hands out (pool worker)."""
     from tvm.s_tir.meta_schedule.runner.rpc_runner import (
-        default_alloc_argument,
         default_cleanup,
         default_run_evaluator,
         default_upload_module,
     )
+    from tvm.s_tir.meta_schedule.utils import get_global_func_on_rpc_session
 
     session, addr = tracker.request(session_timeout_s)
     remote_path = None
@@ -251,7 +271,9 @@ def run_on_device(tracker: Tracker, session_timeout_s: float, evaluator_config: 
         device = session.device(device_type, 0)
         remote_path = os.path.basename(artifact_path)
         rt_mod = default_upload_module(session, artifact_path, remote_path)
-        args = default_alloc_argument(session, device, args_info, 1)
+        fill = get_global_func_on_rpc_session(session, "tvm.contrib.random.random_fill_for_measure",
+                                              "the device's TVM runtime has no random fill")
+        args = alloc_in_bounds(device, args_info, 1, fill)
         secs = default_run_evaluator(session, rt_mod, device, evaluator_config, args)
         return {"secs": [float(s) for s in secs], "device": addr, "info": info,
                 "start": t0, "end": time.time()}

@@ -24,7 +24,7 @@ from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuild
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .errors import DeviceError
-from .fleet import DEVICE_LOST, FleetRunner, Tracker, one_cpu, probe
+from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, one_cpu, probe
 from .target import cross_compiler, host_cores, host_target_dict, host_triple, provenance
 from .util import file_lock
 
@@ -69,25 +69,6 @@ def _export(rt_mod, artifact_dir: str, target=None) -> str:
     path = os.path.join(tempfile.mkdtemp(dir=artifact_dir), "kernel.so")
     rt_mod.export_library(path, fcompile=cross_compiler(target))  # another architecture: its linker
     return path
-
-
-def alloc_in_bounds(device, args_info, alloc_repeat: int) -> list:
-    """MetaSchedule's argument allocation for the local runner (random floats), with integer
-    tensors zero: they are indices more often than not (take, gather, embedding lookups), and
-    random ones fall outside the table, so the kernel crashed instead of being timed."""
-    import numpy as np
-    import tvm
-    from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
-
-    random_fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
-
-    def fill(arr) -> None:
-        if arr.dtype.startswith(("int", "uint", "bool")):
-            arr.copyfrom(np.zeros(tuple(arr.shape), dtype=arr.dtype))
-        else:
-            random_fill(arr)
-
-    return alloc_argument_common(fill, device, args_info, alloc_repeat)
 
 
 def _random_args(func, seed: int = 0):
