@@ -23,5 +23,6 @@ def test_recommend_resnet18_leave_one_out(tmp_path):
     r = json.loads(report.read_text())
     assert r["max_abs_error_vs_onnxruntime"] < 1e-3
     assert all(k["chosen"] is None or k["chosen"]["donor_network"] != "resnet18" for k in r["kernels"])
+    assert r["search_seconds"]["refitting_ranker"] > 0  # the ranker learned without resnet18's rows
     lat = r["model_latency_ms"]
     assert lat["tuned"] < lat["untuned"] / 5

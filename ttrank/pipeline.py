@@ -151,11 +151,14 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                           "or added with `ttrank donors add DIR`")
     ranker = ranker if ranker is not None else Ranker.load()
     exclude_networks = set(exclude_networks)
+    t_refit = 0.0
     if leave_one_out:
         exclude_networks.add(model.name)
         if model.name in ranker.metadata.get("training_networks", []):
             note(f"leave-one-out: refitting the ranker without {model.name}'s measurements")
+            t0 = time.time()
             ranker = ranker_without(model.name, ranker, store)
+            t_refit = time.time() - t0
     if runner.kind == "local" and (why := cpu_mismatch(ranker, target, top_k)):
         note(why)
     # at most the k the ranker's leave-one-network-out evaluation found worth measuring
@@ -235,7 +238,9 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     lat = (_time(model, target, compiled, reports, untuned_run_limit_s if time_untuned else 0.0, progress)
            if time_model and compiled is not None else {})
     return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
-                  max_err, {"ranking": round(t_rank, 2), "measuring": round(t_measure, 2), **phases,
+                  max_err, {"ranking": round(t_rank, 2),
+                            **({"refitting_ranker": round(t_refit, 2)} if t_refit else {}),
+                            "measuring": round(t_measure, 2), **phases,
                             "measuring_build": round(t_build, 2), "measuring_run": round(t_run, 2),
                             "tuning_missing": round(t_tune, 2), "compiling": round(t_compile, 2),
                             "total": round(time.time() - t_start, 2)},
