@@ -104,22 +104,34 @@ class _Graph:
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(hint), **attrs))
         return out
 
-    def steps(self, x: str, n: int, hint: str) -> list[str]:
-        """``x[0], ..., x[n-1]`` along axis 0 (which has length ``n``), the axis dropped: one
-        Split into equal parts, in the form of the model's opset, and a Squeeze each. (Gathers
-        or Slices would each be a kernel of its own: one per step, every one measured.)"""
-        if n == 1:
-            parts = [x]
-        elif self.opset < 18:  # no sizes given: equal parts
-            parts = [self.fresh(hint) for _ in range(n)]
-            self.nodes.append(helper.make_node("Split", [x], parts, name=self.fresh(hint), axis=0))
-        else:
-            parts = [self.fresh(hint) for _ in range(n)]
-            self.nodes.append(helper.make_node("Split", [x], parts, name=self.fresh(hint), axis=0, num_outputs=n))
+    def split(self, x: str, n: int, hint: str, axis: int = 0, squeeze: bool = True) -> list[str]:
+        """``x`` cut into ``n`` equal parts along ``axis`` (``squeeze``: that axis, of length
+        ``n``, dropped): one Split, in the form of the model's opset. (A Gather or Slice per
+        step would each be a program of its own, its offset differing: every one measured.)"""
+        parts = [x] if n == 1 else [self.fresh(hint) for _ in range(n)]
+        if n > 1:  # before opset 18 no sizes mean equal parts; from 18 num_outputs says so
+            extra = {"num_outputs": n} if self.opset >= 18 else {}
+            self.nodes.append(helper.make_node("Split", [x], parts, name=self.fresh(hint), axis=axis, **extra))
+        if not squeeze:
+            return parts
         if self.opset < 13:
-            return [self.op("Squeeze", [p], hint, axes=[0]) for p in parts]
-        axis = self.const("axis", np.array([0], np.int64))
-        return [self.op("Squeeze", [p, axis], hint) for p in parts]
+            return [self.op("Squeeze", [p], hint, axes=[axis]) for p in parts]
+        axes = self.const("axis", np.array([axis], np.int64))
+        return [self.op("Squeeze", [p, axes], hint) for p in parts]
+
+    def gates(self, x: str, n: int, size: int, hint: str) -> list[str]:
+        """``x``'s last axis cut into ``n`` parts of ``size``: constant Slices, which TVM fuses into
+        the gate arithmetic that reads them (a Split is a kernel of its own), the same program at
+        every step."""
+        out = []
+        for i in range(n):
+            if self.opset < 10:  # bounds were attributes then
+                out.append(self.op("Slice", [x], hint, starts=[i * size], ends=[(i + 1) * size], axes=[-1]))
+            else:
+                out.append(self.op("Slice", [x, self.const("start", np.array([i * size], np.int64)),
+                                             self.const("end", np.array([(i + 1) * size], np.int64)),
+                                             self.const("axis", np.array([-1], np.int64))], hint))
+        return out
 
     def const_input(self, node: onnx.NodeProto, i: int, what: str) -> np.ndarray | None:
         """Input ``i`` of ``node`` as a constant, None when absent; not constant: refused."""
@@ -181,8 +193,8 @@ def _activations(g: _Graph, node: onnx.NodeProto, at: dict, directions: int) -> 
 
 
 def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
-    """LSTM, GRU or RNN, unrolled: the input projections of all steps in one MatMul per gate,
-    then per step the recurrent MatMuls and the gate arithmetic of the ONNX spec."""
+    """LSTM, GRU or RNN, unrolled: the input projections of all steps and gates in one MatMul,
+    then per step one recurrent MatMul for all gates and the gate arithmetic of the ONNX spec."""
     kind, gates = node.op_type, RECURRENT_GATES[node.op_type]
     at = _attrs(node)
     direction = at.get("direction", b"forward")
@@ -234,25 +246,37 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
         wb = B[d][:G * H] if B is not None else np.zeros(G * H, W.dtype)
         rb = B[d][G * H:] if B is not None else np.zeros(G * H, W.dtype)
         sl = {gate: slice(i * H, (i + 1) * H) for i, gate in enumerate(gates)}
-        # the input projection of every step at once: [seq, batch, H] per gate
-        xw = {}
-        for gate in gates:
-            bias = wb[sl[gate]] + (rb[sl[gate]] if not (kind == "GRU" and gate == "h" and lbr) else 0)
-            xw[gate] = g.op("Add", [g.op("MatMul", [x, g.const(f"w{gate}", wd[sl[gate]].T)], f"xw{gate}"),
-                                    g.const(f"b{gate}", bias.astype(W.dtype))], f"xw{gate}")
-        rt = {gate: g.const(f"r{gate}", rd[sl[gate]].T) for gate in gates}
-        h = g.steps(init_h, len(dirs), "h0")[d] if init_h else None
-        c = g.steps(init_c, len(dirs), "c0")[d] if init_c else None
-        xs = {gate: g.steps(xw[gate], steps, f"x{gate}") for gate in gates}
+        # every gate's input projection for every step in one MatMul: [seq, batch, G*H]; GRU's
+        # recurrent bias of h~ goes inside r * (...) when linear_before_reset, so not here
+        bias = wb + rb
+        if kind == "GRU" and lbr:
+            bias[sl["h"]] = wb[sl["h"]]
+        xw = g.op("Add", [g.op("MatMul", [x, g.const("w", wd.T)], "xw"), g.const("b", bias.astype(W.dtype))], "xw")
+        # a step keeps its axis ([1, batch, G*H]): a Squeeze would be one more kernel a step
+        xs = g.split(xw, steps, "x", squeeze=False)
+        # the gates whose recurrent term is h R^T: one MatMul a step for all of them (GRU's h~
+        # without linear_before_reset takes (r * h) R^T, its own MatMul)
+        rec = [gate for gate in gates if not (kind == "GRU" and gate == "h" and not lbr)]
+        r_rec = g.const("r", np.concatenate([rd[sl[gate]] for gate in rec]).T)
+        r_bias = (g.const("rb", np.concatenate([rb[sl[gt]] if gt == "h" else np.zeros(H, W.dtype) for gt in rec]))
+                  if kind == "GRU" and lbr else None)
+        r_h = g.const("rh", rd[sl["h"]].T) if kind == "GRU" and not lbr else None
+        h = g.split(init_h, len(dirs), "h0", squeeze=False)[d] if init_h else None
+        c = g.split(init_c, len(dirs), "c0", squeeze=False)[d] if init_c else None
         # peepholes, in P's order i, o, f
         peeps = {k: g.const(f"p{k}", P[d][i * H:(i + 1) * H]) for i, k in enumerate("iof")} if P is not None else {}
         outs = {}
         for t in (reversed(range(steps)) if reverse else range(steps)):
-            xt = {gate: xs[gate][t] for gate in gates}
+            xt = dict(zip(gates, g.gates(xs[t], G, H, "xg")))
+            if h is not None:
+                hr = g.op("MatMul", [h, r_rec], "hr")
+                if r_bias is not None:
+                    hr = g.op("Add", [hr, r_bias], "hr")
+                ht = dict(zip(rec, g.gates(hr, len(rec), H, "hg")))
 
             def pre(gate: str, extra: str | None = None) -> str:
                 """x_t W^T + h_{t-1} R^T (+ extra) for one gate; no recurrent term at h = 0."""
-                v = xt[gate] if h is None else g.op("Add", [xt[gate], g.op("MatMul", [h, rt[gate]], "hr")], "pre")
+                v = xt[gate] if h is None else g.op("Add", [xt[gate], ht[gate]], "pre")
                 return v if extra is None else g.op("Add", [v, extra], "pre")
 
             if kind == "LSTM":
@@ -272,14 +296,12 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
             elif kind == "GRU":
                 z_t, r_t = f(clipped(pre("z"))), f(clipped(pre("r")))
                 if lbr:  # h~ = g(x Wh^T + Wbh + r * (h Rh^T + Rbh))
-                    rbh = g.const("rbh", rb[sl["h"]])
-                    rec = rbh if h is None else g.op("Add", [g.op("MatMul", [h, rt["h"]], "hr"), rbh], "hr")
-                    cand = g.op("Add", [xt["h"], g.op("Mul", [r_t, rec], "rh")], "pre")
+                    rec_h = ht["h"] if h is not None else g.const("rbh", rb[sl["h"]])
+                    cand = g.op("Add", [xt["h"], g.op("Mul", [r_t, rec_h], "rh")], "pre")
                 elif h is None:  # (r * 0) Rh^T vanishes
                     cand = xt["h"]
                 else:  # h~ = g(x Wh^T + (r * h) Rh^T + Wbh + Rbh)
-                    rh = g.op("MatMul", [g.op("Mul", [r_t, h], "rh"), rt["h"]], "hr")
-                    cand = g.op("Add", [xt["h"], rh], "pre")
+                    cand = g.op("Add", [xt["h"], g.op("MatMul", [g.op("Mul", [r_t, h], "rh"), r_h], "hr")], "pre")
                 h_new = gg(clipped(cand))
                 # (1 - z) * h~ + z * h, as h~ + z * (h - h~); with h = 0, h~ - z * h~
                 if h is None:
