@@ -124,3 +124,30 @@ def test_leave_one_out_of_a_model_no_donor_came_from_keeps_the_rankers_cost_mode
     assert refits == []
     ranking.SecondStage.of(Ranker.load(ranker), store, target, {"my_model", "tiny_resnet"})
     assert refits == [{"tiny_resnet"}]
+
+
+def test_a_shortlist_whose_transfers_are_slow_stops_at_the_budget(trained, donor_dir, tiny_cnn, target,
+                                                                   tmp_path, monkeypatch):
+    """The second stage transfers its shortlist within a time budget: on a kernel where each
+    transfer is slow (a fused element-wise kernel took 7 s each), it scores the first few and
+    keeps the ranker's order for the rest; no candidate is lost."""
+    import time
+
+    from ttrank import frontend, kernels, ranking
+    from ttrank.donors import DonorStore
+
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    cm = programs.fit_cost_model([donor_dir], target, n_estimators=10)
+    stage = ranking.SecondStage(0.5, 4, cm, programs.Featurizer(target))
+    store = DonorStore.load([donor_dir])
+    conv = next(k for k in kernels.extract(frontend.load(tiny_cnn).mod, target)
+                if k.tunable and len(store.compatible(k)) >= 4)
+    cands = ranking.rank_kernel(conv, store, Ranker.load(trained))
+    slow = ranking.transfer
+    monkeypatch.setattr(ranking, "transfer", lambda *a, **kw: time.sleep(0.3) or slow(*a, **kw))
+    ordered, transferred = ranking.rerank(conv, cands, stage, target, budget_s=0.4)
+    assert len(transferred) == 2  # two transfers, then the budget was spent
+    assert sorted(c.record.id for c in ordered) == sorted(c.record.id for c in cands)
+    assert [c.record.id for c in ordered[2:]] == [c.record.id for c in cands[2:]]
+    picks = ranking.shortlist(conv, cands, 3, target, budget_s=0.4)
+    assert len(picks) == 2  # the third transfer would have gone over the budget

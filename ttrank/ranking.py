@@ -5,6 +5,7 @@ measure (:class:`FixedK`, :class:`AdaptiveK`) and pick the shortlist. Nothing he
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,12 @@ from .kernels import Kernel
 from .programs import WIDTH, CostModel, Featurizer, blend, cost_model_without, default_cost_model
 from .ranker import Ranker
 from .transfer import Transferred, transfer
+
+# seconds one kernel's second stage, and then its picks, may each spend transferring. A conv's 20
+# transfers take 2-6 s; a fused element-wise kernel of a few dozen blocks (an unrolled LSTM's
+# first step) took 7 s for each (MetaSchedule's anchor-trace replay), most of them rejected or
+# the same program: 130-160 s for one kernel holding 0.4% of the model
+RERANK_BUDGET_S = 10.0
 
 
 @dataclass
@@ -75,15 +82,21 @@ def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
     return cands
 
 
-def rerank(kernel: Kernel, cands: list[Candidate], stage: SecondStage, target
-           ) -> tuple[list[Candidate], dict[str, Transferred]]:
+def rerank(kernel: Kernel, cands: list[Candidate], stage: SecondStage, target,
+           budget_s: float = RERANK_BUDGET_S) -> tuple[list[Candidate], dict[str, Transferred]]:
     """Transfer the shortlist onto ``kernel``, score the programs with the cost model and
-    reorder the shortlist by the blend. Returns (candidates, transferred by record id)."""
+    reorder the shortlist by the blend. Returns (candidates, transferred by record id).
+    Once ``budget_s`` is spent (after two transfers), the shortlist ends where it got to: the
+    rest keep the ranker's order, behind it."""
     short = cands[:stage.shortlist]
     if len(short) < 2:
         return cands, {}
     done, vecs = {}, []
-    for c in short:
+    t0 = time.time()
+    for i, c in enumerate(short):
+        if i >= 2 and time.time() - t0 > budget_s:
+            short = short[:i]
+            break
         t = done[c.record.id] = transfer(c.record, kernel, c.donor, target)
         vecs.append(stage.featurizer.of_module(t.mod) if t.ok else np.full(WIDTH, np.nan, dtype=np.float32))
     X = np.stack(vecs)
@@ -92,7 +105,7 @@ def rerank(kernel: Kernel, cands: list[Candidate], stage: SecondStage, target
     for c, v in zip(short, cost):
         c.cost_score = None if np.isnan(v) else float(v)
     order = np.argsort(-blend(np.array([c.score for c in short]), cost, stage.weight), kind="stable")
-    return [short[i] for i in order] + cands[stage.shortlist:], done
+    return [short[i] for i in order] + cands[len(short):], done
 
 
 @dataclass
@@ -118,7 +131,8 @@ def native_candidate(cands: list[Candidate], mcpu: str | None) -> Candidate | No
 
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
               known: Callable[[Candidate], dict | None] | None = None,
-              rejected: list | None = None, also: Sequence[Candidate] = ()) -> list[Pick]:
+              rejected: list | None = None, also: Sequence[Candidate] = (),
+              budget_s: float = RERANK_BUDGET_S) -> list[Pick]:
     """The first ``k`` candidates, in rank order (reordered by ``stage`` if given), that apply to
     ``kernel``: transfers go in rank order until ``k`` succeed (a rejection costs little).
     A candidate whose transfer gives the same program as an earlier pick (structural hash) is
@@ -126,20 +140,25 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
     one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
     before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
     of failed transfers. ``also``: candidates measured besides the ``k`` when they miss them
-    (:func:`native_candidate`)."""
+    (:func:`native_candidate`). Transfers stop once ``budget_s`` is spent (after two), as in
+    :func:`rerank`: where each costs seconds, failing or repeating a program, going down a long
+    list cost minutes."""
     pre: dict[str, Transferred] = {}
     if stage is not None:
-        cands, pre = rerank(kernel, cands, stage, target)
+        cands, pre = rerank(kernel, cands, stage, target, budget_s)
     picks: list[Pick] = []
     programs: dict[str, Pick] = {}  # program hash -> the pick that measures it
+    t0, tried = time.time(), 0
     for c in cands:
-        if len(picks) >= k:
+        if len(picks) >= k or (tried >= 2 and time.time() - t0 > budget_s):
             break
         row = known(c) if known is not None else None
         if row is not None:
             picks.append(Pick(c, row=row))
             continue
-        t = pre.get(c.record.id) or transfer(c.record, kernel, c.donor, target)
+        t = pre.get(c.record.id)
+        if t is None:
+            t, tried = transfer(c.record, kernel, c.donor, target), tried + 1
         if not t.ok:
             if rejected is not None:
                 rejected.append((c.record.id, t.reason))
