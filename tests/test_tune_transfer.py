@@ -404,3 +404,13 @@ def test_a_tuned_model_compiles_in_parallel_parts_to_the_same_outputs(donor_dir,
         ex = runtime.compile_model(model, target, db, broken)
     assert "compiling them in one process" in caplog.text
     assert runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model).ok
+
+
+def test_compile_with_a_database_writes_only_the_checked_library(donor_dir, tmp_path, capsys):
+    """`ttrank compile --database` compiles the kernels in parallel and checks the exported
+    library itself; the folder then holds that library and nothing else."""
+    out = tmp_path / "tiny_resnet.so"
+    assert main(["compile", "zoo:tiny_resnet", "--database", str(donor_dir), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "check vs onnxruntime" in printed and "OK" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_resnet.so"]

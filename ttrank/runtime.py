@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import numpy as np
 
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
+from .measure import WarmPoolBuilder
 from .target import cross_compiler, host_cores, is_foreign, provenance, runtime_threads
 from .util import write_failure
 
@@ -91,6 +93,23 @@ def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, An
     libs = [tvm.runtime.load_static_library(o, [gv.name_hint for gv in part.get_global_vars()])
             for o, part in zip(objects, parts)]
     return vm_build._vmlink(builder, target, None, ext_libs=[*ext_libs, *libs], params=constants)
+
+
+def compile_in_parallel(model: LoadedModel, target, database, path: str | Path) -> Path:
+    """Compile with a database on a pool of one build worker per core (its workers start while
+    Relax's passes run) and export into a temp file beside ``path`` (returned: the caller
+    renames it into place once it is checked). One process compiles when there is one core."""
+    if host_cores() < 2:
+        return export_staged(compile_model(model, target, database), path, target)
+    builder = WarmPoolBuilder()
+    warming = threading.Thread(target=builder.warm, daemon=True)
+    warming.start()
+    try:
+        ex = compile_model(model, target, database, builder.compile_objects)
+        return export_staged(ex, path, target)  # the parts' object files are linked here
+    finally:
+        warming.join()
+        builder.close()
 
 
 def _compile_whole(mod, target, database):
