@@ -38,7 +38,7 @@ def compile_model(model: LoadedModel, target, database=None,
     if database is None:
         with tvm.transform.PassContext(opt_level=3):
             return tvm.compile(model.mod, target=target)
-    if compile_objects is None:
+    if compile_objects is None or host_cores() < 2:  # one core: the parts would only cost more
         return _compile_whole(model.mod, target, database)
     return _compile_in_parts(model.mod, target, database, compile_objects)
 
