@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +50,23 @@ def summarize(net: str, report: dict, wall: float, donors: list[str], paused: in
         "chosen_from": sorted({k["chosen"]["donor_network"] for k in ks if k.get("chosen")}),
         "provenance": provenance(),
     }
+
+
+def previous_of(old: dict | None) -> dict | None:
+    """What a rerun replaces: the earlier row's times and where they were measured (kept beside
+    the new row, so recommend_zoo.md shows each phase before and after)."""
+    if not old or "error" in old:
+        return None
+    prov = old.get("provenance") or {}
+    return {"recommend_seconds": old["recommend_seconds"], "search_seconds": old.get("search_seconds"),
+            "commit": old.get("commit"), "mcpu": prov.get("mcpu"), "date": prov.get("date"),
+            "latency_vs_onnxruntime": old.get("latency_vs_onnxruntime")}
+
+
+def _commit() -> str | None:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent)
+    return proc.stdout.strip() or None
 
 
 def _phases(s: dict) -> str:
@@ -83,6 +101,21 @@ def write_table(results: dict) -> None:
                      f"{(r.get('provenance') or {}).get('threads', 1)} |")
     lines += ["", "paused: whether background tuning was paused during the run (2 cores; an unpaused run "
               "shares them, so its latencies and wall time are noisier)."]
+    rerun = {net: r for net, r in sorted(results.items()) if r.get("previous")}
+    if rerun:
+        lines += ["", "## Before and after: rows rerun on newer code", "",
+                  "Each phase in seconds, the earlier run's -> this run's (`rank / build / run / tune / "
+                  "compile`, as recommend reported them).", "",
+                  "| network | CPU | commit | recommend s | rank / build / run / tune / compile s | ttrank / ORT |",
+                  "|---|---|---|---|---|---|"]
+        for net, r in rerun.items():
+            p = r["previous"]
+            ort = ("-" if p.get("latency_vs_onnxruntime") is None else f"{p['latency_vs_onnxruntime']:.2f}")
+            lines.append(f"| {net} | {p.get('mcpu') or '?'} -> {(r.get('provenance') or {}).get('mcpu')} | "
+                         f"{p.get('commit') or 'earlier'} -> {r.get('commit') or '?'} | "
+                         f"{p['recommend_seconds']:.0f} -> {r['recommend_seconds']:.0f} | "
+                         f"{_phases(p.get('search_seconds') or {})} -> {_phases(r.get('search_seconds') or {})} | "
+                         f"{ort} -> {r['latency_vs_onnxruntime']:.2f} |")
     atomic_write_text(OUT.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
@@ -124,6 +157,8 @@ def main() -> int:
                 report, wall, paused, _ = run_recommend(net, Path(tmp), pause=args.pause_background,
                                                         extra=extra)
                 results[key] = summarize(net, report, wall, donors, paused)
+                results[key]["previous"] = previous_of(old)
+                results[key]["commit"] = _commit()
                 results[key]["ranker"] = ranker
                 results[key]["fast_math"] = (report.get("provenance") or {}).get("fast_math")
             except RuntimeError as e:

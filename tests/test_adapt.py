@@ -34,6 +34,21 @@ def test_the_plan_puts_the_kernels_with_the_largest_share_of_the_zoo_first(donor
         assert p.network in p.networks and p.task and p.workload_class
 
 
+def test_the_tuning_budget_goes_to_the_largest_shares_across_networks():
+    """Not every kernel of the first networks: the kernels the budget reaches, largest share
+    first, one tune per network (in the order of its largest kernel)."""
+    def k(net: str, task: str, share: float) -> adapt.PlannedKernel:
+        return adapt.PlannedKernel(f"{net}/{task}", net, task, "conv2d", share, [net])
+
+    todo = [k("bert", "mm1", 0.34), k("bert", "mm2", 0.02), k("resnet18", "c1", 0.21),
+            k("resnet18", "c2", 0.01), k("resnet50", "c1", 0.20), k("bert", "mm3", 0.15)]
+    per_kernel = 64 * adapt.SECONDS_PER_TRIAL
+    assert adapt.tuning_batch(todo, 4 * per_kernel, 64) == [
+        ("bert", ["mm1", "mm3"]), ("resnet18", ["c1"]), ("resnet50", ["c1"])]
+    # a budget short of one kernel still tunes the largest
+    assert adapt.tuning_batch(todo, 1.0, 64) == [("bert", ["mm1"])]
+
+
 def test_time_shares_use_measured_latencies_and_fill_in_the_rest_by_flops(donor_dir, target):
     store = donors.DonorStore.load([donor_dir])
     ks = [w.kernel for w in store.workloads if w.records]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from ttrank import donors, frontend, kernels, measure, transfer, util, zoo
@@ -251,7 +252,6 @@ def test_wrong_result_is_rejected(tiny_cnn, target):
 def test_each_kernels_reference_outputs_are_computed_once_and_shared(tiny_cnn, target):
     """Every candidate of a kernel is checked against the untuned kernel's outputs, which the
     build workers compute once per kernel and keep (its outputs only, not its weights)."""
-    import numpy as np
 
     model = frontend.load(tiny_cnn)
     ks = {k.name: k for k in kernels.extract(model.mod, target)}
@@ -265,7 +265,7 @@ def test_each_kernels_reference_outputs_are_computed_once_and_shared(tiny_cnn, t
         assert saved == [f"{k.workload_hash}.npz"]
         with np.load(os.path.join(m.builder.artifact_dir, "references", saved[0])) as z:
             n = int(z["n"])
-            assert n == len(k.input_shapes) + 1 and set(z.files) == {"n", f"a{n - 1}"}
+            assert n == len(k.input_shapes) + 1 and set(z.files) == {"n", "s", f"a{n - 1}"}
     finally:
         m.close()
 
@@ -288,6 +288,21 @@ def test_measuring_the_untuned_kernel_leaves_the_reference_its_candidates_are_ch
         # the kernel itself agrees with its reference; another kernel's program does not
         same, wrong = m.measure([k.mod, other.mod], references=[(k.mod, k.workload_hash)] * 2)
         assert same.ok and wrong.status == "wrong_result"
+    finally:
+        m.close()
+
+
+def test_a_slow_untuned_kernel_keeps_its_reference_runs_time(tiny_cnn, target, monkeypatch):
+    """An untuned kernel whose reference run took SELF_TIMED_S or more is not run again by the
+    runner (a warm-up and a timed call): that run's seconds are its latency."""
+    model = frontend.load(tiny_cnn)
+    k = next(k for k in kernels.extract(model.mod, target) if k.name == "fused_conv2d1_add_relu")
+    monkeypatch.setattr(measure, "SELF_TIMED_S", 0.0)  # every untuned kernel counts as slow
+    m = measure.Measurer(target)
+    try:
+        [untuned] = m.baseline().measure([k.mod], as_references=[k.workload_hash])
+        with np.load(os.path.join(m.builder.artifact_dir, "references", f"{k.workload_hash}.npz")) as z:
+            assert untuned.ok and untuned.all_secs == [float(z["s"])] and untuned.latency_s > 0
     finally:
         m.close()
 
@@ -342,3 +357,61 @@ def test_a_lookup_kernel_is_timed_not_crashed_by_random_indices(target, lookup_k
     finally:
         m.close()
     assert got.ok and got.latency_s > 0, got.error
+
+
+def test_a_tuned_model_compiles_in_parallel_parts_to_the_same_outputs(donor_dir, target, tmp_path, caplog,
+                                                                    monkeypatch):
+    """The build pool compiles the kernels in parts (object files linked at export); the model
+    computes what the one-process compile does, and a failed part falls back to that compile."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from ttrank import runtime
+
+    monkeypatch.setattr(runtime, "host_cores", lambda: 2)  # as on any machine of 2 or more cores
+    model = zoo.load("zoo:tiny_resnet")
+    db = ms.database.JSONDatabase(work_dir=str(donor_dir))
+    # the parts are compiled from the same pipeline as MetaSchedule's compile_relax: the donor
+    # kernels get their tuned schedules
+    with target, db, tvm.transform.PassContext(opt_level=3):
+        lowered = runtime._database_pipeline(target)(model.mod)
+    assert sum(bool(f.attrs and f.attrs.get("tirx.is_scheduled")) for f in lowered.functions.values()
+               if isinstance(f, tvm.tirx.PrimFunc)) == len(DONOR_KERNELS)
+    whole = runtime.CompiledModel.load(
+        runtime.export(runtime.compile_model(model, target, db), tmp_path / "whole.so"), model)
+    builder = measure.WarmPoolBuilder(max_workers=2)
+    calls = []
+
+    def compile_objects(mods, tgt):
+        calls.append(len(mods))
+        return builder.compile_objects(mods, tgt)
+
+    try:
+        parts = runtime.CompiledModel.load(
+            runtime.export(runtime.compile_model(model, target, db, compile_objects), tmp_path / "parts.so"),
+            model)
+    finally:
+        builder.close()
+    assert calls and calls[0] >= 2  # compiled in several parts
+    assert runtime.check_against_onnxruntime(parts, model).ok
+    feed = model.random_inputs()
+    for a, b in zip(whole.run(feed), parts.run(feed)):
+        assert abs(a - b).max() <= 1e-5
+
+    def broken(mods, tgt):
+        raise RuntimeError("build timeout: killed after 60 s")
+
+    with caplog.at_level("WARNING", logger="ttrank"):
+        ex = runtime.compile_model(model, target, db, broken)
+    assert "compiling them in one process" in caplog.text
+    assert runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model).ok
+
+
+def test_compile_with_a_database_writes_only_the_checked_library(donor_dir, tmp_path, capsys):
+    """`ttrank compile --database` compiles the kernels in parallel and checks the exported
+    library itself; the folder then holds that library and nothing else."""
+    out = tmp_path / "tiny_resnet.so"
+    assert main(["compile", "zoo:tiny_resnet", "--database", str(donor_dir), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "check vs onnxruntime" in printed and "OK" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_resnet.so"]

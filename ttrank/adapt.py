@@ -33,7 +33,7 @@ from .measure import Measurer
 from .ranker import Ranker
 from .target import host_mcpu, provenance, target_key
 from .training import default_measurement_dirs, train
-from .tune import tune
+from .tune import count_trials, tune
 from .util import atomic_write_json, cache_dir, file_lock
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,23 @@ def plan(networks: list[str], target, store: DonorStore,
                 top[k.workload_hash] = s
                 p.network, p.task = net, k.name
     return sorted(out.values(), key=lambda p: -p.share)
+
+
+# Seconds per native tuning trial on 2 cores, build and run included (znver5: 3,072 trials of
+# the zoo's kernels in 2,183 s): how many kernels a tuning budget reaches.
+SECONDS_PER_TRIAL = 0.75
+
+
+def tuning_batch(todo: list[PlannedKernel], budget_s: float, trials: int,
+                 seconds_per_trial: float = SECONDS_PER_TRIAL) -> list[tuple[str, list[str]]]:
+    """The largest-share kernels of ``todo`` that ``budget_s`` can tune (at least one), as
+    (network, its tasks) in the order of each network's largest kernel: the budget goes to the
+    kernels that matter most across the zoo, not to every kernel of the first networks."""
+    fit = max(1, int(budget_s // (trials * seconds_per_trial)))
+    out: dict[str, list[str]] = {}
+    for p in sorted(todo, key=lambda p: -p.share)[:fit]:
+        out.setdefault(p.network, []).append(p.task)
+    return list(out.items())
 
 
 def state_path(target, layout: str = "nchw") -> Path:
@@ -176,23 +193,28 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         note(f"{len(todo)} kernels carry at least {min_share:.0%} of a zoo network's time on "
              f"{len(networks)} networks; tuning the largest natively ({trials} trials each)")
 
-        # 1. native tuning, network by network in the order of their largest kernel
+        # 1. native tuning: the largest shares first, as many as the time left reaches, grouped
+        # by network (one tune per network and batch); then the next batch
         tune_end = t0 + tune_share * budget_s
-        order: dict[str, list[str]] = {}
-        for p in todo:
-            order.setdefault(p.network, []).append(p.task)
-        for net, tasks in order.items():
-            left = tune_end - time.time()
-            if left < 30:
-                break
-            run = tune(load(net).mod, native_dir(net, mcpu, layout), trials_per_task=trials,
-                       budget_minutes=left / 60, target=target, model_name=net, only=tasks,
-                       layout=layout)
-            done = sum(tp.done for tp in run.tasks)
-            rep.tuned_trials += done
-            rep.tuned_kernels += sum(tp.done >= tp.target_trials for tp in run.tasks)
-            rep.networks_tuned.append(net)
-            note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU")
+        tuned = _tuned(todo, mcpu, layout, trials)
+        left_plan = [p for p in todo if (p.network, p.task) not in tuned]
+        while left_plan and (left := tune_end - time.time()) >= 30:
+            batch = tuning_batch(left_plan, left, trials)
+            for net, tasks in batch:
+                left = tune_end - time.time()
+                if left < 30:
+                    break
+                run = tune(load(net).mod, native_dir(net, mcpu, layout), trials_per_task=trials,
+                           budget_minutes=left / 60, target=target, model_name=net, only=tasks,
+                           layout=layout)
+                done = sum(tp.done for tp in run.tasks)
+                rep.tuned_trials += done
+                if net not in rep.networks_tuned:
+                    rep.networks_tuned.append(net)
+                note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU")
+            batched = {(net, t) for net, tasks in batch for t in tasks}
+            left_plan = [p for p in left_plan if (p.network, p.task) not in batched]
+        rep.tuned_kernels = len(_tuned(todo, mcpu, layout, trials))
         rep.tune_seconds = round(time.time() - t0, 1)
 
         # 2. cross-measurements on this CPU, split evenly over the networks
@@ -232,6 +254,14 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         atomic_write_json(state_path(target, layout), {**rep.to_json(), "runs": previous.get("runs", 0) + 1,
                                                "plan_for": asked, "plan": [asdict(p) for p in todo]})
     return rep
+
+
+def _tuned(todo: list[PlannedKernel], mcpu: str, layout: str, trials: int) -> set[tuple[str, str]]:
+    """The planned kernels, as (network, task), that have their trials here (or whose search
+    space MetaSchedule exhausted)."""
+    counts = {net: count_trials(native_dir(net, mcpu, layout)) for net in {p.network for p in todo}}
+    return {(p.network, p.task) for p in todo
+            if (t := counts[p.network].get(p.task)) and (t["complete"] or t["done"] >= trials)}
 
 
 def adapted(target, layout: str = "nchw") -> dict | None:

@@ -181,24 +181,31 @@ def cmd_compile(args) -> int:
     if args.database:
         database = open_database(args.database)
     t0 = time.time()
-    ex = runtime.compile_model(model, target, database)
-    con.print(f"compiled {model.name} in {time.time() - t0:.1f} s "
-              f"({'database ' + args.database if database else 'default CPU pipeline, untuned'})")
-    if not args.no_check:
-        compiled = runtime.CompiledModel.from_executable(ex, model)
-        res = runtime.check_against_onnxruntime(compiled, model)
-        con.print(f"check vs onnxruntime: max abs error {res.max_abs_error:.3g} "
-                  f"(max rel {res.max_rel_error:.3g}) over {res.outputs} output(s): "
-                  f"{'OK' if res.ok else 'MISMATCH'}")
-        if not res.ok:
-            raise CheckError(f"compiled outputs differ from onnxruntime "
-                             f"(max abs error {res.max_abs_error:.3g}); nothing written")
-        if args.time:
-            lat = runtime.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
-            con.print(f"latency (timed in alternation, min of 3): ttrank/TVM {lat['tvm']:.2f} ms, "
-                      f"onnxruntime {lat['onnxruntime']:.2f} ms")
-    out = runtime.export(ex, args.output)
-    con.print(f"wrote {out}")
+    if database is None:
+        staged = runtime.export_staged(runtime.compile_model(model, target), args.output, target)
+    else:  # the kernels compiled in parallel, one build worker per core
+        staged = runtime.compile_in_parallel(model, target, database, args.output)
+    try:
+        con.print(f"compiled {model.name} in {time.time() - t0:.1f} s "
+                  f"({'database ' + args.database if database else 'default CPU pipeline, untuned'})")
+        if not args.no_check:  # the exported library is what is checked and timed
+            compiled = runtime.CompiledModel.load(staged, model)
+            res = runtime.check_against_onnxruntime(compiled, model)
+            con.print(f"check vs onnxruntime: max abs error {res.max_abs_error:.3g} "
+                      f"(max rel {res.max_rel_error:.3g}) over {res.outputs} output(s): "
+                      f"{'OK' if res.ok else 'MISMATCH'}")
+            if not res.ok:
+                raise CheckError(f"compiled outputs differ from onnxruntime "
+                                 f"(max abs error {res.max_abs_error:.3g}); nothing written")
+            if args.time:
+                lat = runtime.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
+                con.print(f"latency (timed in alternation, min of 3): ttrank/TVM {lat['tvm']:.2f} ms, "
+                          f"onnxruntime {lat['onnxruntime']:.2f} ms")
+        os.replace(staged, args.output)
+    finally:
+        if staged.exists():
+            staged.unlink()
+    con.print(f"wrote {args.output}")
     return 0
 
 

@@ -42,6 +42,13 @@ DEVICE_POLL_S = 3.0
 # of recommend's run time.
 SETTLE_FACTOR = 1.5
 
+# An untuned kernel whose reference run (in the build worker, one call) took this long keeps that
+# run as its latency. The runner would call it twice more (a warm-up, then the timed call): for
+# big untuned convs that was 2/3 of their measuring (40 of 59 s for DBNet at 640x640), and one
+# call of 50 ms or more times to well within what the untuned latency decides (each kernel's
+# share of the model, and whether a candidate beats the untuned kernel by far).
+SELF_TIMED_S = 0.05
+
 # Test hook: a build whose module has this attribute sleeps, to prove timeouts work.
 HANG_ATTR = "ttrank.test_hang_seconds"
 
@@ -108,9 +115,10 @@ def _written(func) -> list[int]:
     return out or list(range(len(params)))
 
 
-def _run_host(mod, seed: int = 0, built=None) -> tuple[list, list]:
+def _run_host(mod, seed: int = 0, built=None) -> tuple[list, list, float]:
     """Build for the host (or take ``built``, a compiled or loaded module) and run on
-    deterministic inputs: (the inputs as made, every argument after the call)."""
+    deterministic inputs: (the inputs as made, every argument after the call, the call's
+    seconds)."""
     import tvm
 
     func = mod[[gv for gv in mod.functions][0]]
@@ -119,29 +127,34 @@ def _run_host(mod, seed: int = 0, built=None) -> tuple[list, list]:
     inputs = _random_args(func, seed)
     args = [tvm.runtime.tensor(a, dev) for a in inputs]
     # tvm.compile gives an Executable (JIT on first call), load_module a Module
-    (rt.jit() if isinstance(rt, tvm.runtime.Executable) else rt).main(*args)
-    return inputs, [a.numpy() for a in args]
+    main = (rt.jit() if isinstance(rt, tvm.runtime.Executable) else rt).main
+    t0 = time.perf_counter()
+    main(*args)
+    secs = time.perf_counter() - t0
+    return inputs, [a.numpy() for a in args], secs
 
 
-def _reference(ref_mod, ref_key: str, refs_dir: str, built=None) -> tuple[int, dict[int, Any]]:
-    """The untuned kernel's argument count, and its outputs on the deterministic inputs by
-    parameter index: computed once per kernel and kept in ``refs_dir`` for every build worker
-    (each candidate of the kernel is checked against them; recomputing them per candidate was
-    half the build time). ``built``: ``ref_mod`` already compiled for this host."""
+def _reference(ref_mod, ref_key: str, refs_dir: str, built=None) -> tuple[int, dict[int, Any], float]:
+    """The untuned kernel's argument count, its outputs on the deterministic inputs by
+    parameter index, and the seconds of the run that computed them: computed once per kernel
+    and kept in ``refs_dir`` for every build worker (each candidate of the kernel is checked
+    against them; recomputing them per candidate was half the build time). ``built``:
+    ``ref_mod`` already compiled for this host."""
     import numpy as np
 
     path = os.path.join(refs_dir, f"{ref_key}.npz")
     with file_lock(path):  # one worker computes, the other waits for it
         if os.path.exists(path):
             with np.load(path, allow_pickle=False) as z:
-                return int(z["n"]), {int(k[1:]): z[k] for k in z.files if k != "n"}
+                return (int(z["n"]), {int(k[1:]): z[k] for k in z.files if k not in ("n", "s")},
+                        float(z["s"]))
         func = ref_mod[[gv for gv in ref_mod.functions][0]]
-        _, after = _run_host(ref_mod, built=built)
+        _, after, secs = _run_host(ref_mod, built=built)
         out = {i: after[i] for i in _written(func)}
         tmp = f"{path}.{os.getpid()}.tmp.npz"
-        np.savez(tmp, n=len(after), **{f"a{i}": a for i, a in out.items()})
+        np.savez(tmp, n=len(after), s=secs, **{f"a{i}": a for i, a in out.items()})
         os.replace(tmp, path)
-        return len(after), out
+        return len(after), out, secs
 
 
 def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol: float,
@@ -151,8 +164,8 @@ def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol:
     as it went in."""
     import numpy as np
 
-    n, ref = _reference(ref_mod, ref_key, refs_dir)
-    inputs, got = _run_host(mod, built=built)
+    n, ref, _ = _reference(ref_mod, ref_key, refs_dir)
+    inputs, got, _ = _run_host(mod, built=built)
     if len(got) != n:
         return float("inf")
     worst, bad = 0.0, False
@@ -171,15 +184,17 @@ def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol:
     return worst if bad else None
 
 
-def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> str:
+def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> tuple[str, float]:
     """Build an untuned kernel for measurement and keep its outputs as the reference its
     candidates are checked against (pool worker, host target): the kernel is compiled and run
-    once for both, not once more by the first candidate's check."""
+    once for both, not once more by the first candidate's check. Returns (the library, the
+    seconds of that run)."""
     import tvm
 
     path = _build_export(mod, target, artifact_dir)
-    _reference(mod, ref_key, os.path.join(artifact_dir, "references"), built=tvm.runtime.load_module(path))
-    return path
+    _, _, secs = _reference(mod, ref_key, os.path.join(artifact_dir, "references"),
+                            built=tvm.runtime.load_module(path))
+    return path, secs
 
 
 def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
@@ -213,6 +228,21 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     return _build_export(mod, target, artifact_dir), None
 
 
+def _compile_object(mod, target, path: str) -> str:
+    """Compile a module of kernels to an object file (runs in a pool worker): one part of a
+    whole model's kernels, linked into its library at export (:func:`ttrank.runtime.compile_model`)."""
+    import tvm
+
+    tvm.tirx.build(mod, target=target).write_to_file(path)
+    return path
+
+
+def _timed(fn: Callable, *args) -> tuple[Any, float]:
+    """``fn(*args)`` and its seconds (in a pool worker: what the workers were busy with)."""
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
 def _warm_worker() -> int:
     """Nothing: unpickling it imports this module in the worker, which imports TVM's."""
     return os.getpid()
@@ -242,6 +272,21 @@ class WarmPoolBuilder(PyBuilder):
         os.makedirs(self.artifact_dir, exist_ok=True)
         self._pool: PopenPoolExecutor | None = None
         self._lock = threading.Lock()  # warm() may start the pool from another thread
+        # the workers' seconds inside builds: against the builds' wall time x workers, how
+        # well a batch kept every worker busy (its slowest build holds the batch)
+        self.busy_s = 0.0
+
+    def _map(self, fn: Callable, args: list) -> list:
+        """``fn`` over ``args`` on the pool's workers, as ``map_with_error_catching`` gives them,
+        each finished one's value unwrapped from its timing (added to :attr:`busy_s`)."""
+        out = []
+        for r in self.pool.map_with_error_catching(lambda a: _timed(fn, *a), args):
+            if r.status == StatusKind.COMPLETE:
+                value, secs = r.value
+                self.busy_s += secs
+                r = r._replace(value=value)
+            out.append(r)
+        return out
 
     @property
     def pool(self) -> PopenPoolExecutor:
@@ -253,7 +298,7 @@ class WarmPoolBuilder(PyBuilder):
     def build(self, build_inputs: list[BuilderInput]) -> list[BuilderResult]:
         results = []
         args = [(bi.mod, bi.target, self.artifact_dir) for bi in build_inputs]
-        for r in self.pool.map_with_error_catching(lambda a: _build_export(*a), args):
+        for r in self._map(_build_export, args):
             status, value = self._outcome(r)
             results.append(BuilderResult(value, None) if status == "ok" else BuilderResult(None, value))
         return results
@@ -261,10 +306,11 @@ class WarmPoolBuilder(PyBuilder):
     def build_references(self, mods: list, target, keys: list[str]) -> list[tuple[str, Any]]:
         """Build untuned kernels to run on this host, keeping each one's outputs as the
         reference under its key (:meth:`build_checked` then checks candidates against them).
-        Returns per module ("ok", artifact path), ("timeout", ...) or ("build_error", ...)."""
+        Returns per module ("ok", (artifact path, seconds of the reference run)), ("timeout",
+        ...) or ("build_error", ...)."""
         args = [(m, target, self.artifact_dir, k) for m, k in zip(mods, keys)]
         return [self._outcome(r) for r in
-                self.pool.map_with_error_catching(lambda a: _build_reference_export(*a), args)]
+                self._map(_build_reference_export, args)]
 
     def _outcome(self, r) -> tuple[str, Any]:
         if r.status == StatusKind.COMPLETE:
@@ -285,12 +331,24 @@ class WarmPoolBuilder(PyBuilder):
         out = []
         refs = references or [(ref_mod, ref_key)] * len(mods)
         args = [(m, target, self.artifact_dir, r, rk, run_here) for m, (r, rk) in zip(mods, refs)]
-        for r in self.pool.map_with_error_catching(lambda a: _build_check_export(*a), args):
+        for r in self._map(_build_check_export, args):
             if r.status == StatusKind.COMPLETE:
                 path, wrong = r.value
                 out.append(("ok", path) if path else ("wrong_result", wrong))
             else:
                 out.append(self._outcome(r))
+        return out
+
+    def compile_objects(self, mods: list, target) -> list[str]:
+        """Compile each module of kernels to an object file, in parallel on the pool's workers.
+        Raises on the first that fails or times out (the caller compiles in one process then)."""
+        paths = [os.path.join(tempfile.mkdtemp(dir=self.artifact_dir), "kernels.o") for _ in mods]
+        out = []
+        for r in self._map(_compile_object, [(m, target, p) for m, p in zip(mods, paths)]):
+            status, value = self._outcome(r)
+            if status != "ok":
+                raise RuntimeError(value)
+            out.append(value)
         return out
 
     def warm(self) -> None:
@@ -568,7 +626,7 @@ class Measurer:
             t0 = time.time()
             built = self.builder.build_references(mods, self.target, as_references)
             self.seconds["build"] += time.time() - t0
-            return self._run(mods, built)
+            return self._run_references(mods, built)
         return self._run(mods, self._build(mods, reference, reference_key, references))
 
     def measure_stream(self, batches: Iterable[tuple], stop: Callable[[], bool] | None = None
@@ -712,6 +770,38 @@ class Measurer:
             _rm(p)
         self.seconds["run"] += time.time() - t1
         return out  # type: ignore[return-value]
+
+    def _run_references(self, mods: list, built: list[tuple[str, Any]]) -> list[Measurement]:
+        """Untuned kernels whose reference run took :data:`SELF_TIMED_S` or more keep that run's
+        time; the others are run as usual."""
+        out: list[Measurement | None] = [None] * len(mods)
+        rest = []
+        for i, (status, value) in enumerate(built):
+            if status == "ok" and value[1] >= SELF_TIMED_S:
+                out[i] = Measurement(value[1], "ok", "", [value[1]])
+                _rm(value[0])
+            else:
+                rest.append(i)
+        ran = self._run([mods[i] for i in rest],
+                        [(s, v[0]) if s == "ok" else (s, v) for s, v in (built[i] for i in rest)])
+        for i, m in zip(rest, ran):
+            out[i] = m
+        return out  # type: ignore[return-value]
+
+    @property
+    def build_busy_s(self) -> float | None:
+        """Seconds each build worker was busy building, on average (None: not a pool of ours);
+        beside ``seconds["build"]`` it says how much of the builds' wall time the workers used."""
+        b = self.builder
+        return b.busy_s / b.max_workers if isinstance(b, WarmPoolBuilder) else None
+
+    def compile_objects(self, mods: list, target) -> list[str]:
+        """Compile modules of kernels to object files on the build pool's workers (see
+        :meth:`WarmPoolBuilder.compile_objects`); a builder of another kind compiles nothing
+        here, and the caller compiles in one process."""
+        if not isinstance(self.builder, WarmPoolBuilder):
+            raise NotImplementedError(f"{type(self.builder).__name__} compiles no object files")
+        return self.builder.compile_objects(mods, target)
 
     def baseline(self) -> Measurer:
         """A measurer sharing this builder that runs once: for slow untuned kernels, where

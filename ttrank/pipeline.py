@@ -22,6 +22,7 @@ from . import measurements
 from .coverage import plan_missing
 from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
+from .features import parse_trace
 from .frontend import LoadedModel
 from .kernels import Kernel, model_kernels
 from .measure import COLD_CACHE, Measurer, RunnerSpec
@@ -38,9 +39,11 @@ from .tune import tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
 
-# candidates per measuring batch: enough to keep both build workers busy, few enough that an
-# interruption loses little (each finished batch is appended to the measurement table)
-MEASURE_CHUNK = 8
+# candidates per measuring batch: a batch's builds end with its slowest one, while the other
+# workers idle, so a batch needs many builds per worker (R18's 70 candidates, simulated from
+# their compile times on 2 workers: 8 per batch lose 22% to that wait, 16 lose 5%), and few
+# enough that an interruption loses little (each finished batch is appended to the table)
+MEASURE_CHUNK = 16
 # recommend's default budget for tuning what no transferred schedule covers (seconds, all kernels)
 TUNE_MISSING_SECONDS = 120.0
 # the command line's default measuring budget: 3 minutes on 2 cores for ResNet-50
@@ -181,11 +184,11 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
 
     # the build and run workers start while the kernels are ranked (Measurer.warm)
     measurer = Measurer(target, runner)
-    measurer.warm()
-    # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
-    # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
-    t0 = time.time()
-    try:
+    try:  # the build pool compiles the model's kernels at the end, in parallel; then it closes
+        measurer.warm()
+        # 1-3: kernels and ranking. The second stage (cost model on the transferred shortlist) runs
+        # per kernel below, once the kernel's share of the model is known: minor kernels get top-1
+        t0 = time.time()
         kernels = model_kernels(model, target)
         # the table's rows are training data (ttrank train) only with their kernels described
         measurements.write_kernels(table.parent / "kernels" / f"{model.name}.json", kernels)
@@ -197,42 +200,44 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
             reports[k.name].candidates = len(ranked[k.name])
             progress("ranking", i + 1, len(kernels), k.name)
         stage2 = SecondStage.of(ranker, store, target, exclude_networks)
-    except BaseException:
+        t_rank = time.time() - t0
+
+        # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
+        # candidates of all kernels go through the builder together, in chunks, so both build
+        # workers stay busy; over RPC each chunk builds while the one before it runs (locally the
+        # builds would skew the timed runs: Measurer.measure_stream), and each chunk's rows
+        # are appended as it finishes (Ctrl-C keeps them).
+        t0 = time.time()
+        phases: dict[str, float] = {}  # the measuring phase's parts
+        stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
+        # the first Ctrl-C stops after the batch being measured (its rows are kept); raised inside
+        # the measurer's worker pools it could leave one hung on its lock (ttrank.util)
+        with stop_at_safe_points():
+            chosen, unmeasured, anytime = _measure(
+                model, kernels, ranked, reports, policy, stage2, cached, target, measurer, table, stamp,
+                measure_budget_s, t0, t_start, progress, phases)
+        if STOP_REQUESTED.is_set():
+            raise KeyboardInterrupt
+        t_measure = time.time() - t0
+        t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
+        if (busy := measurer.build_busy_s) is not None:
+            phases["measuring_build_busy"] = round(busy, 2)
+        t0 = time.time()
+        extra_db = _tune_missing(model, kernels, store, exclude_networks, chosen, reports, tune_missing,
+                                 target, progress, runner)
+        t_tune = time.time() - t0
+        if extra_db is not None:  # what tuning the missing kernels bought, on the same curve
+            anytime.append({"seconds": round(time.time() - t_start, 2), "phase": "tuned missing",
+                            "measured": anytime[-1]["measured"],
+                            "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)})
+
+        # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
+        t0 = time.time()
+        compiled, max_err = _build(model, target, db_dir, output, kernels, chosen, reports, extra_db, check,
+                                   measurer.compile_objects)
+        t_compile = time.time() - t0
+    finally:
         measurer.close()
-        raise
-    t_rank = time.time() - t0
-
-    # 4-5: measure the top-k (plus the untuned kernel), keep the fastest correct one. The
-    # candidates of all kernels go through the builder together, in chunks, so both build
-    # workers stay busy; over RPC each chunk builds while the one before it runs (locally the
-    # builds would skew the timed runs: Measurer.measure_stream), and each chunk's rows
-    # are appended as it finishes (Ctrl-C keeps them).
-    t0 = time.time()
-    phases: dict[str, float] = {}  # the measuring phase's parts
-    stamp = {"provenance": prov, "target_key": tkey}  # what every row of this run carries
-    # the first Ctrl-C stops after the batch being measured (its rows are kept); raised inside
-    # the measurer's worker pools it could leave one hung on its lock (ttrank.util)
-    with stop_at_safe_points():
-        chosen, unmeasured, anytime = _measure(
-            model, kernels, ranked, reports, policy, stage2, cached, target, measurer, table, stamp,
-            measure_budget_s, t0, t_start, progress, phases)
-    if STOP_REQUESTED.is_set():
-        raise KeyboardInterrupt
-    t_measure = time.time() - t0
-    t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
-    t0 = time.time()
-    extra_db = _tune_missing(model, kernels, store, exclude_networks, chosen, reports, tune_missing,
-                             target, progress, runner)
-    t_tune = time.time() - t0
-    if extra_db is not None:  # what tuning the missing kernels bought, on the same curve
-        anytime.append({"seconds": round(time.time() - t_start, 2), "phase": "tuned missing",
-                        "measured": anytime[-1]["measured"],
-                        "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)})
-
-    # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
-    t0 = time.time()
-    compiled, max_err = _build(model, target, db_dir, output, kernels, chosen, reports, extra_db, check)
-    t_compile = time.time() - t0
 
     # another architecture (compiled is None): the host can neither load the model nor time it
     lat = (_time(model, target, compiled, reports, untuned_run_limit_s if time_untuned else 0.0, progress)
@@ -271,32 +276,29 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
              t_start: float, progress: Progress, phases: dict[str, float]):
     """Steps 4-5: the untuned kernels, then each kernel's shortlist, measured; the fastest correct
     pick per kernel. Returns (chosen, candidates left unmeasured, the anytime curve); the seconds
-    of its first two parts go to ``phases``. Closes ``measurer``."""
-    try:
-        t = time.time()
-        _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
-        phases["measuring_untuned"] = round(time.time() - t, 2)
-        t = time.time()
-        picks, shares = {}, {}
-        postprocessors(target)  # initialised once, before the threads share them
-        # a transfer is TVM's C++ (replay, postprocessors, features; the GIL is released): the
-        # kernels' shortlists are independent, so one thread per core transfers them
-        with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
-            lists = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
-                                                stage2, cached, target), kernels)
-            for k, (picks[k.name], shares[k.name]) in zip(kernels, lists):
-                progress("transferring", len(picks), len(kernels), k.name)
-        phases["transferring"] = round(time.time() - t, 2)
-        anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
-        fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
-                                           stamp, budget_s, t0, progress,
-                                           lambda fresh, n: anytime.append(
-                                               _anytime_point("measuring", t_start, kernels, picks, fresh,
-                                                              reports, n)))
-        chosen = {k.name: t for k in kernels
-                  if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
-    finally:
-        measurer.close()
+    of its first two parts go to ``phases``."""
+    t = time.time()
+    _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
+    phases["measuring_untuned"] = round(time.time() - t, 2)
+    t = time.time()
+    picks, shares = {}, {}
+    postprocessors(target)  # initialised once, before the threads share them
+    # a transfer is TVM's C++ (replay, postprocessors, features; the GIL is released): the
+    # kernels' shortlists are independent, so one thread per core transfers them
+    with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
+        lists = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
+                                            stage2, cached, target), kernels)
+        for k, (picks[k.name], shares[k.name]) in zip(kernels, lists):
+            progress("transferring", len(picks), len(kernels), k.name)
+    phases["transferring"] = round(time.time() - t, 2)
+    anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
+    fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
+                                       stamp, budget_s, t0, progress,
+                                       lambda fresh, n: anytime.append(
+                                           _anytime_point("measuring", t_start, kernels, picks, fresh,
+                                                          reports, n)))
+    chosen = {k.name: t for k in kernels
+              if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
     return chosen, unmeasured, anytime
 
 
@@ -401,7 +403,8 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
 
     def chunks():
         for s in range(0, len(todo), chunk):
-            part = todo[s:s + chunk]
+            # the slow builds first (longest first: the batch's last build then ends soonest)
+            part = sorted(todo[s:s + chunk], key=lambda x: -_build_cost(x[1]))
             parts.append(part)
             # asked after the chunk's first pass: a candidate far slower than its kernel's best
             # so far gets no more passes (Measurer.measure_stream)
@@ -430,6 +433,13 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
             on_batch(fresh, measured)
         progress("measuring", measured, len(todo), part[-1][0].name)
     return fresh, len(todo) - measured
+
+
+def _build_cost(p: Pick) -> float:
+    """How long a pick's build is likely to take, relative to the others: its unroll depth.
+    Explicitly unrolled programs (MetaSchedule's 512 steps) took 1.2 s to compile on average and
+    up to 7 s in LLVM's SLP vectorizer, against 0.25-0.4 s for the rest (R18's candidates)."""
+    return parse_trace(p.transferred.record.trace_json)["unroll"]
 
 
 def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport,
@@ -530,15 +540,17 @@ def _latencies(chosen: dict, reports: dict[str, KernelReport]) -> dict[str, floa
 
 
 def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kernel],
-           chosen: dict[str, Transferred], reports: dict[str, KernelReport], extra_db, check: bool
-           ) -> tuple[CompiledModel | None, float | None]:
+           chosen: dict[str, Transferred], reports: dict[str, KernelReport], extra_db, check: bool,
+           compile_objects=None) -> tuple[CompiledModel | None, float | None]:
     """Write the database beside its place, compile, check; then the database and the library
     replace the previous ones as one step (a kill between the renames is finished by the next
     run): never a database of one run beside another's library. For another architecture
-    (cross-compiled), the host can neither load nor check the model: no CompiledModel then."""
+    (cross-compiled), the host can neither load nor check the model: no CompiledModel then.
+    ``compile_objects``: the build pool's, to compile the kernels in parallel (the model is
+    exported then, as its parts are linked at export)."""
     staged = db_dir.with_name(f".{db_dir.name}.staged")
     database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db)
-    ex = compile_model(model, target, database)
+    ex = compile_model(model, target, database, compile_objects if output else None)
     foreign = is_foreign(target)
     moves = [(staged, db_dir)]
     try:

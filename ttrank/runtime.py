@@ -7,29 +7,116 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
-from .target import cross_compiler, is_foreign, provenance, runtime_threads
+from .measure import WarmPoolBuilder
+from .target import cross_compiler, host_cores, is_foreign, provenance, runtime_threads
 from .util import write_failure
 
 log = logging.getLogger("ttrank")
 
 
-def compile_model(model: LoadedModel, target, database=None):
-    """Compile with the default CPU pipeline, or with a MetaSchedule database's schedules."""
+def compile_model(model: LoadedModel, target, database=None,
+                  compile_objects: Callable[[list, Any], list[str]] | None = None):
+    """Compile with the default CPU pipeline, or with a MetaSchedule database's schedules.
+
+    ``compile_objects(modules, target) -> object files`` (a build pool's): with a database, the
+    kernels are compiled in parts, in parallel, and linked as static libraries; LLVM is most of a
+    compile, and one module keeps it on one core. The executable must then be exported to run.
+    """
     import tvm
-    from tvm.s_tir import meta_schedule as ms
 
     if database is None:
         with tvm.transform.PassContext(opt_level=3):
             return tvm.compile(model.mod, target=target)
-    return ms.relax_integration.compile_relax(database, model.mod, target, params=None)
+    if compile_objects is None or host_cores() < 2:  # one core: the parts would only cost more
+        return _compile_whole(model.mod, target, database)
+    return _compile_in_parts(model.mod, target, database, compile_objects)
+
+
+def _database_pipeline(target):
+    """MetaSchedule's ``compile_relax`` pipeline (TVM 0.27), the same passes in the same order:
+    the database's keys are the workloads as ``extract_tasks`` prepared them."""
+    import tvm
+    from tvm import relax
+    from tvm.relax import pipeline as rp
+
+    t = relax.transform
+    try:
+        dispatch = rp.library_dispatch_passes(target)
+    except (ValueError, AttributeError):
+        dispatch = []
+    try:
+        lower, finalize = rp.dataflow_lower_passes(target), rp.finalize_passes(target)
+    except (ValueError, AttributeError):  # CPU targets: compile_relax's own lists
+        lower = [t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite()]
+        finalize = [t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.KillAfterLastUse(),
+                    t.LowerRuntimeBuiltin(), t.ComputePrimValue(), t.VMShapeLower(), t.AttachGlobalSymbol()]
+    return tvm.transform.Sequential([
+        *dispatch, t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
+        t.MetaScheduleApplyDatabase(), *lower, *finalize])
+
+
+def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, Any], list[str]]):
+    """relax.build with its TIR half compiled in parts by ``compile_objects``; the parts join the
+    executable as static libraries (TVM's ``_vmlink`` does this for external modules)."""
+    import tvm
+    from tvm import relax
+    from tvm.relax import vm_build
+
+    with target, database, tvm.transform.PassContext(opt_level=3):
+        lowered = _database_pipeline(target)(mod)
+    ext_libs = list(lowered.attrs.get("external_mods", [])) if lowered.attrs else []
+    constants = dict(lowered.attrs.get("const_name_to_constant", {})) if lowered.attrs else {}
+    builder = relax.ExecBuilder()
+    lowered = vm_build._vmcodegen(builder, lowered, "bytecode")
+    tir = vm_build._auto_attach_system_lib_prefix(vm_build._filter_tir(lowered), target, None)
+    funcs = list(tir.functions.items()) if tir is not None else []
+    # more parts than workers, so that one part of big kernels does not leave a core idle
+    n = min(len(funcs), 4 * host_cores())
+    parts = [tvm.IRModule(dict(funcs[i::n]), attrs=tir.attrs) for i in range(n)]
+    try:
+        objects = compile_objects(parts, target)
+    except Exception as e:  # a worker's failure: the one-process compile says what is wrong
+        log.warning("compiling the kernels in parallel failed (%s); compiling them in one process",
+                    str(e).splitlines()[-1] if str(e) else type(e).__name__)
+        return _compile_whole(mod, target, database)
+    libs = [tvm.runtime.load_static_library(o, [gv.name_hint for gv in part.get_global_vars()])
+            for o, part in zip(objects, parts)]
+    return vm_build._vmlink(builder, target, None, ext_libs=[*ext_libs, *libs], params=constants)
+
+
+def compile_in_parallel(model: LoadedModel, target, database, path: str | Path) -> Path:
+    """Compile with a database on a pool of one build worker per core (its workers start while
+    Relax's passes run) and export into a temp file beside ``path`` (returned: the caller
+    renames it into place once it is checked). One process compiles when there is one core."""
+    if host_cores() < 2:
+        return export_staged(compile_model(model, target, database), path, target)
+    builder = WarmPoolBuilder()
+    warming = threading.Thread(target=builder.warm, daemon=True)
+    warming.start()
+    try:
+        ex = compile_model(model, target, database, builder.compile_objects)
+        return export_staged(ex, path, target)  # the parts' object files are linked here
+    finally:
+        warming.join()
+        builder.close()
+
+
+def _compile_whole(mod, target, database):
+    """MetaSchedule's own ``compile_relax``: the kernels in one LLVM module."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.relax_integration.compile_relax(database, mod, target, params=None)
 
 
 def export(executable, path: str | Path) -> Path:
