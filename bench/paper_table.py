@@ -37,6 +37,7 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,10 +55,10 @@ from ttrank.measure import Measurer
 from ttrank.measurements import UNTUNED
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, Pick, SecondStage, rank_kernel, shortlist
-from ttrank.runtime import time_side_by_side, write_database
-from ttrank.target import make_target, provenance, runtime_threads, target_cpu
+from ttrank.runtime import compile_in_parallel, time_side_by_side, write_database
+from ttrank.target import host_cores, make_target, provenance, runtime_threads, target_cpu
 from ttrank.training import ranker_without
-from ttrank.transfer import transfer
+from ttrank.transfer import postprocessors, transfer
 from ttrank.util import atomic_write_json, atomic_write_text, read_jsonl
 from ttrank.workdir import open_database
 from ttrank.zoo import export
@@ -71,7 +72,8 @@ TRANSFORMERS = ("bert", "mobilebert")
 METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 RANKS = tuple(f"rank{i}" for i in range(1, max(KS) + 1))
 MEASURED = (*RANKS, "sample_best", "paper")  # what one evaluation run measures per kernel
-RUN_VERSION = 2  # 2: ttrank's top-k ranked over the whole donor pool and measured in the run
+RUN_VERSION = 3  # 2: ttrank's top-k ranked over the whole donor pool and measured in the run;
+# 3: its transfers and final compile timed as recommend runs them (in parallel)
 # recommend's default measuring policy, with the shipped ranker's k (5) as its bound: per kernel,
 # the ranks its scores and share of the model ask for (ttrank.ranking.AdaptiveK)
 POLICY = AdaptiveK(max(KS))
@@ -105,13 +107,17 @@ def choose(net: str, kernels: list, store, ranker, target) -> Picks:
     t0 = time.time()
     out = Picks({}, {}, {}, 0.0)
     cpu = target_cpu(target)
+    ranked = {}
     for k in kernels:
-        cands = rank_kernel(k, store, ranker, {net}, cpu)
-        out.pool[k.workload_hash] = len(cands)
-        got = out.chosen.setdefault(k.workload_hash, {})
-        # as recommend: in rank order until k transfers apply
-        for label, pick in zip(RANKS, shortlist(k, cands, len(RANKS), target, stage)):
-            got[label] = pick
+        ranked[k.workload_hash] = rank_kernel(k, store, ranker, {net}, cpu)
+        out.pool[k.workload_hash] = len(ranked[k.workload_hash])
+    # as recommend: in rank order until k transfers apply, the kernels' shortlists transferred
+    # on one thread per core (TVM's C++ releases the GIL)
+    postprocessors(target)
+    with ThreadPoolExecutor(host_cores()) as ex:
+        lists = ex.map(lambda k: shortlist(k, ranked[k.workload_hash], len(RANKS), target, stage), kernels)
+        for k, picks in zip(kernels, lists):
+            out.chosen[k.workload_hash] = dict(zip(RANKS, picks))
     out.ranking_seconds = time.time() - t0
 
     rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
@@ -176,10 +182,12 @@ def evaluation_run(net: str, store, shipped) -> dict:
             if lat:
                 top3[k.name] = min(lat, key=lambda xc: xc[0])[1].transferred
         db3 = write_database(Path(tmp) / "top3", kernels, top3, target)
+        # compiled as recommend compiles: the kernels in parts on one build worker per core
         t1 = time.time()
+        compile_in_parallel(model, target, db3, Path(tmp) / "top3.so")
+        compile_s = time.time() - t1
         whole = time_side_by_side(model, target, {"ttrank_top3": db3,
                                                    "metaschedule": open_database(log.work_dir)})
-        compile_s = (time.time() - t1) / 2
     return {"network": net, "version": RUN_VERSION, "inputs": inputs_hash(net),
             "log": str(log.work_dir.relative_to(ROOT)),
             "log_trials": log.manifest.get("trials_done"), "log_trials_per_task": log.manifest.get("trials_per_task"),
@@ -334,7 +342,9 @@ def build_table(nets: list[str]) -> dict:
     for net in nets:
         p = RUNS / f"{net}.json"
         run = json.loads(p.read_text()) if p.exists() else {}
-        if run.get("version") == RUN_VERSION:  # older runs chose top-k among the sample only
+        # version 1 chose top-k among the sample only; a version-2 run still holds, with the
+        # serial transfers and single-process compile of its day in its search seconds
+        if run.get("version", 0) >= 2:
             rows[net] = row_of(run)
     avg = {}
     if rows:

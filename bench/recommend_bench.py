@@ -35,7 +35,7 @@ from ttrank.pipeline import MEASURE_SECONDS
 from ttrank.runtime import time_side_by_side
 from ttrank.target import make_target, provenance, runtime_threads
 from ttrank.util import atomic_write_json
-from ttrank.workdir import open_database
+from ttrank.workdir import open_database, read_manifest
 from ttrank.zoo import export
 
 
@@ -80,6 +80,11 @@ def side_by_side(net: str, db_dir: Path, pause: bool) -> dict:
                         for n in w}}
 
 
+def ms_layout(work_dir: Path | None) -> str:
+    """The activation layout MetaSchedule's run tuned (its manifest's; runs before layouts: nchw)."""
+    return (read_manifest(work_dir).get("layout") if work_dir else None) or "nchw"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--network", default="resnet50")
@@ -108,9 +113,10 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="ttrank-bench-") as tmp:
         try:
-            # exact math on both sides: MetaSchedule's run tuned libm's exp/erf kernels
+            # exact math and MetaSchedule's layout on both sides: its run tuned libm's exp/erf
+            # kernels, and kernel sums compare only over the same kernels
             report, wall, paused, cmd = run_recommend(net, Path(tmp), args.top_k, args.pause_background,
-                                                      extra=("--exact-math",))
+                                                      extra=("--exact-math", "--layout", ms_layout(ms_dir)))
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 1

@@ -1,4 +1,4 @@
-"""The paper table's arithmetic, on a hand-made evaluation run (no TVM, no measuring)."""
+"""The benchmarks' arithmetic, on hand-made inputs (no measuring)."""
 
 import importlib.util
 import sys
@@ -140,3 +140,20 @@ def test_host_bench_summarises_each_phase_against_onnxruntime():
     assert host.summary(phase) == {"ort_ratio_cnn_avg": pytest.approx(1.2), "networks_faster_than_ort": 1,
                                    "networks_measured": 2}
     assert host.summary({"networks": {}})["ort_ratio_cnn_avg"] is None
+
+
+def test_recommend_bench_runs_recommend_in_the_layout_metaschedule_tuned(tmp_path):
+    """Kernel sums compare only over the same kernels: an NCHWc MetaSchedule run is matched by an
+    NCHWc recommend, and a run from before layouts (no layout in its manifest) by NCHW."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("recommend_bench", BENCH / "recommend_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "tune_manifest.json").write_text(json.dumps({"layout": "nchwc"}))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "tune_manifest.json").write_text(json.dumps({"trials_per_task": 200}))
+    assert module.ms_layout(tmp_path / "packed") == "nchwc"
+    assert module.ms_layout(tmp_path / "old") == "nchw"
+    assert module.ms_layout(None) == "nchw"

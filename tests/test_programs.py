@@ -151,3 +151,34 @@ def test_a_shortlist_whose_transfers_are_slow_stops_at_the_budget(trained, donor
     assert [c.record.id for c in ordered[2:]] == [c.record.id for c in cands[2:]]
     picks = ranking.shortlist(conv, cands, 3, target, budget_s=0.4)
     assert len(picks) == 2  # the third transfer would have gone over the budget
+
+
+def test_a_leave_one_out_refit_is_fitted_once_and_again_when_its_data_changes(
+        trained, measurements, donor_dir, tmp_path, monkeypatch):
+    """Every `recommend --leave-one-out` of a network refits the same ranker from the same files:
+    the fit is cached, keyed by what it reads, and redone once a measurement table changes."""
+    from ttrank import training
+    from ttrank.donors import DonorStore
+
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "measurements"
+    shutil.copytree(measurements, data)
+    base = Ranker.load(trained)
+    base.metadata["training_networks"] = ["tiny_cnn", "left_out_net"]
+    store = DonorStore.load([donor_dir])
+    fits = []
+    fit = Ranker.fit
+    monkeypatch.setattr(Ranker, "fit", lambda self, *a, **kw: fits.append(1) or fit(self, *a, **kw))
+
+    first = training.ranker_without("left_out_net", base, store, [data])
+    again = training.ranker_without("left_out_net", base, store, [data])
+    assert len(fits) == 1
+    assert again.metadata["left_out"] == "left_out_net"
+    assert again.metadata["training_networks"] == ["tiny_cnn"]
+    X = np.random.default_rng(0).random((5, first.width), dtype=np.float32)
+    np.testing.assert_allclose(first.predict(X), again.predict(X))
+
+    table = next(data.glob("*.jsonl"))
+    table.write_text(table.read_text() + table.read_text().splitlines(keepends=True)[0])
+    training.ranker_without("left_out_net", base, store, [data])
+    assert len(fits) == 2

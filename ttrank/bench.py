@@ -22,6 +22,7 @@ from .donors import DonorStore
 from .programs import cost_model_path, cost_model_without
 from .ranker import Ranker, meta_path
 from .target import make_target
+from .training import ranker_without
 from .util import atomic_write_json
 
 # donors that the transfer tests need first, then the rest, smaller searches first
@@ -110,13 +111,14 @@ def paused_background(enabled: bool) -> Iterator[int]:
 
 
 def warm_leave_one_out(net: str) -> None:
-    """Fit (and cache) the second stage's cost model without ``net`` before the clock starts.
-    Only a leave-one-out run needs it: a user's recommend loads the shipped one in a second."""
+    """Fit (and cache) the ranker and the second stage's cost model without ``net`` before the
+    clock starts. Only a leave-one-out run needs them: a user's recommend loads the shipped ones
+    in a second."""
     ranker = Ranker.load()
-    if not (ranker.metadata.get("stage2") or {}).get("enabled"):
-        return
     store = DonorStore.load()
-    cost_model_without([net], [Path(r.work_dir) for r in store.reports], make_target())
+    ranker_without(net, ranker, store)
+    if (ranker.metadata.get("stage2") or {}).get("enabled"):
+        cost_model_without([net], [Path(r.work_dir) for r in store.reports], make_target())
 
 
 def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False,

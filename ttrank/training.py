@@ -4,6 +4,7 @@ evaluation, fit on everything, save with metadata."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -12,14 +13,15 @@ import numpy as np
 from . import locations
 from .collect import Dataset, build_dataset, collect_networks
 from .donors import DonorStore, add_work_dir
-from .errors import TTRankError
+from .errors import RankerError, TTRankError
 from .evaluate import KEYS, baseline_scores, choose_top_k, evaluate, group_spans, leave_one_network_out
-from .features import FEATURE_GROUPS
+from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
 from .ranker import OBJECTIVES, Ranker
 from .target import make_target, provenance
-from .util import cache_dir
+from .util import cache_dir, sha256_of
+from .workdir import RECORD_FILE, db_file
 
 log = logging.getLogger("ttrank")
 def training_dirs(ranker: Ranker) -> list[Path] | None:
@@ -227,6 +229,12 @@ def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
     # the data the ranker was trained from, so the refit differs from it by the network alone
     dirs = measurement_dirs if measurement_dirs is not None else (
         training_dirs(base) or default_measurement_dirs())
+    # cached: every leave-one-out run of a network fits the same model from the same files
+    path = _refit_path(network, base, dirs, store)
+    try:
+        return Ranker.load(path)
+    except RankerError:
+        pass
     ds = build_dataset(dirs, store)
     keep, groups, start = [], [], 0
     for g in ds.groups:
@@ -239,7 +247,19 @@ def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
     r = Ranker(**base.get_params()).fit(ds.X[keep], ds.y[keep], groups)
     r.metadata = {**base.metadata, "training_networks": [n for n in ds.networks if n != network],
                   "left_out": network}
+    r.save(path)
     return r
+
+
+def _refit_path(network: str, base: Ranker, dirs: list[Path], store: DonorStore) -> Path:
+    """Where :func:`ranker_without` keeps its fit: named by everything the fit reads (the base
+    ranker and its parameters, the measurement tables, the donor records)."""
+    files = sorted(p for d in dirs for p in Path(d).rglob("*") if p.is_file())
+    files += [p for p in (db_file(Path(r.work_dir), RECORD_FILE) for r in store.reports) if p is not None]
+    key = hashlib.sha256(json.dumps([network, base.metadata.get("model_sha256"), base.get_params(),
+                                     FEATURE_VERSION, [str(p) for p in files], sha256_of(*files)],
+                                    default=str).encode()).hexdigest()[:20]
+    return cache_dir() / "rankers" / f"without-{network}-{key}.json"
 
 
 def learn_logs(logs: list[str | Path], networks: list[str], target, budget_s: float,
