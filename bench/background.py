@@ -10,7 +10,7 @@ Steps (each resumes where the last session stopped; a finished step is skipped q
                (on a CPU other than the tables', only the retraining and the reports run;
                --collect-here collects this CPU's own rows, which takes hours)
   3. long      MetaSchedule runs of >= 200 trials per task for the paper's max speedup,
-               from scratch, one runtime thread per core, in datasets/metaschedule_long/
+               from scratch, one runtime thread per core, as donor sets (ttrank.bench.long_dir)
   4. evaluate  the side-by-side measurement runs behind bench/results/paper_table.*
   5. recommend `recommend --leave-one-out` on ResNet-50 and every zoo network, with the
                shipped ranker (rerun when it, the donors or the threads change; #6 is

@@ -7,7 +7,8 @@ With ``--measure``, each network that has what it needs (its cross-measurement t
 MetaSchedule tuning log) and no up-to-date run gets one *evaluation run*, cached in
 bench/results/paper_runs/<net>.json. In that run, kernel by kernel and in one batch each, these
 are measured side by side: the untuned kernel; every step of MetaSchedule's convergence curve
-(the longest log: datasets/metaschedule_long/<net> if present, else the 64-trial donor run);
+(the longest log: the long run ttrank.bench.long_dir(<net>), a donor set, if finished, else the
+64-trial donor run);
 ttrank's ranks 1 to 5, as `recommend --leave-one-out` ranks the whole donor pool of the other
 networks (the shipped ranker refitted without <net>, its second stage with a cost model that
 never saw <net>); the fastest of the collected cross-measurement sample; and the paper's
@@ -60,7 +61,7 @@ from ttrank.target import host_cores, make_target, provenance, runtime_threads, 
 from ttrank.training import ranker_without
 from ttrank.transfer import postprocessors, transfer
 from ttrank.util import atomic_write_json, atomic_write_text, read_jsonl
-from ttrank.workdir import open_database
+from ttrank.workdir import database_files, open_database
 from ttrank.zoo import export
 
 ROOT = data_home()
@@ -80,10 +81,13 @@ POLICY = AdaptiveK(max(KS))
 
 
 def inputs_hash(net: str) -> str:
-    """Changes when the run's inputs grow (the measurement table or the MetaSchedule log), the
-    runtime's thread count changes, or the shipped ranker (or its second stage) changes."""
+    """Changes when the run's inputs grow (the measurement table, the MetaSchedule log or the
+    donor store), the runtime's thread count changes, or the shipped ranker (or its second
+    stage) changes."""
     h = hashlib.sha256(f"v{RUN_VERSION} threads={runtime_threads()} ranker={ranker_id()}".encode())
-    for p in (shipped_measurements() / f"{net}.jsonl", (ms_dir(net) or Path("/nonexistent")) / "trials.jsonl"):
+    donors = [p for d in shipped_work_dirs() for p in database_files(d)]
+    for p in (shipped_measurements() / f"{net}.jsonl", (ms_dir(net) or Path("/nonexistent")) / "trials.jsonl",
+              *donors):
         h.update(str(p.stat().st_size if p.exists() else 0).encode())
     return h.hexdigest()[:12]
 

@@ -5,7 +5,7 @@
 Runs the CLI as a user would (fresh data dir, so nothing is reused from earlier runs), with the
 network's own schedules and measurements left out of both the candidates and the ranker.
 Then reads MetaSchedule's convergence curve for the same network from its donor tuning log
-(datasets/metaschedule_long/<net> when that longer run exists, else datasets/donors/<net>) and
+(its long run, ttrank.bench.long_dir(<net>), when finished, else datasets/donors/<net>) and
 finds the search seconds MetaSchedule needed to reach ttrank's latency. Both sides are compared
 as the sum over kernels of weight x measured kernel latency, since MetaSchedule's log only has
 kernel latencies along the way; the whole-model latencies are reported beside them.

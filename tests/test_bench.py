@@ -157,3 +157,18 @@ def test_recommend_bench_runs_recommend_in_the_layout_metaschedule_tuned(tmp_pat
     assert module.ms_layout(tmp_path / "packed") == "nchwc"
     assert module.ms_layout(tmp_path / "old") == "nchw"
     assert module.ms_layout(None) == "nchw"
+
+
+def test_the_long_metaschedule_runs_are_donor_sets_left_out_with_their_network():
+    """The paper table's 200-trial runs live in the donor store: recommend ranks their schedules
+    for every other network, and leave-one-out drops a network's long run with its other sets."""
+    from ttrank.bench import LONG, LONG_TRIALS, long_dir, metaschedule_dir
+    from ttrank.donors import shipped_work_dirs
+    from ttrank.workdir import network_of, read_manifest
+
+    shipped = shipped_work_dirs()
+    for net in LONG:
+        run = long_dir(net)
+        assert run in shipped and metaschedule_dir(net) == run
+        assert network_of(run) == net and read_manifest(run)["trials_per_task"] >= LONG_TRIALS
+    assert long_dir("vgg16") not in shipped  # no long run: where one would be tuned on this host

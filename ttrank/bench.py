@@ -18,12 +18,13 @@ from pathlib import Path
 from . import locations
 from .collect import import_tables
 from .convergence import finished_run
-from .donors import DonorStore
+from .donors import DonorStore, donor_set_dir
 from .programs import cost_model_path, cost_model_without
 from .ranker import Ranker, meta_path
-from .target import make_target
+from .target import host_cores, host_mcpu, make_target
 from .training import ranker_without
 from .util import atomic_write_json
+from .workdir import SET_SEPARATOR, read_manifest
 
 # donors that the transfer tests need first, then the rest, smaller searches first
 DONOR_ORDER = ["mobilenetv2", "vgg16", "resnet18", "bert", "alexnet", "resnet50", "googlenet",
@@ -39,9 +40,14 @@ def results_dir() -> Path:
 
 
 def long_dir(net: str) -> Path:
-    """Where ``net``'s long MetaSchedule run lives (>= 200 trials per task, one runtime thread per
-    core, from scratch), beside its 64-trial donor run in datasets/donors/."""
-    return locations.data_home() / "datasets" / "metaschedule_long" / net
+    """Where ``net``'s long MetaSchedule run lives (>= 200 trials per task, NCHW, one runtime
+    thread per core, from scratch): a donor set of the store, ``datasets/donors/NET@nchw-tT-CPU``,
+    so its schedules are donors like any other. The one finished on any CPU, else this host's."""
+    root = locations.shipped_donors(required=True)
+    for d in sorted(root.glob(f"{net}{SET_SEPARATOR}nchw-t*")):
+        if finished_run(d) and (read_manifest(d).get("trials_per_task") or 0) >= LONG_TRIALS:
+            return d
+    return donor_set_dir(root, net, "nchw", host_cores(), host_mcpu())
 
 
 def metaschedule_dir(net: str) -> Path | None:
