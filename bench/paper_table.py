@@ -57,6 +57,7 @@ from ttrank.measurements import UNTUNED
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, Pick, SecondStage, rank_kernel, shortlist
 from ttrank.runtime import compile_in_parallel, time_side_by_side, write_database
+from ttrank.space import space_candidates
 from ttrank.target import host_cores, make_target, provenance, runtime_threads, target_cpu
 from ttrank.training import ranker_without
 from ttrank.transfer import postprocessors, transfer
@@ -73,8 +74,9 @@ TRANSFORMERS = ("bert", "mobilebert")
 METHODS = ("top1", "top3", "top5", "exhaustive", "paper")
 RANKS = tuple(f"rank{i}" for i in range(1, max(KS) + 1))
 MEASURED = (*RANKS, "sample_best", "paper")  # what one evaluation run measures per kernel
-RUN_VERSION = 3  # 2: ttrank's top-k ranked over the whole donor pool and measured in the run;
-# 3: its transfers and final compile timed as recommend runs them (in parallel)
+RUN_VERSION = 4  # 2: ttrank's top-k ranked over the whole donor pool and measured in the run;
+# 3: its transfers and final compile timed as recommend runs them (in parallel); 4: a kernel no
+# donor covers gets samples of MetaSchedule's design space, as recommend gives it
 # recommend's default measuring policy, with the shipped ranker's k (5) as its bound: per kernel,
 # the ranks its scores and share of the model ask for (ttrank.ranking.AdaptiveK)
 POLICY = AdaptiveK(max(KS))
@@ -115,6 +117,8 @@ def choose(net: str, kernels: list, store, ranker, target) -> Picks:
     for k in kernels:
         ranked[k.workload_hash] = rank_kernel(k, store, ranker, {net}, cpu)
         out.pool[k.workload_hash] = len(ranked[k.workload_hash])
+        if not ranked[k.workload_hash]:  # as recommend: MetaSchedule's design space stands in
+            ranked[k.workload_hash] = space_candidates(k, target, max(len(RANKS), stage.shortlist if stage else 0))
     # as recommend: in rank order until k transfers apply, the kernels' shortlists transferred
     # on one thread per core (TVM's C++ releases the GIL)
     postprocessors(target)

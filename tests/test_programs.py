@@ -182,3 +182,32 @@ def test_a_leave_one_out_refit_is_fitted_once_and_again_when_its_data_changes(
     table.write_text(table.read_text() + table.read_text().splitlines(keepends=True)[0])
     training.ranker_without("left_out_net", base, store, [data])
     assert len(fits) == 2
+
+
+def test_a_donor_that_tuned_this_very_kernel_here_is_measured_first(donor_dir, trained, target):
+    """tiny_resnet's own tuning run measured its conv on this CPU with these threads: ranking that
+    conv puts the run's two fastest records of it first, ahead of any prediction; for another CPU
+    the ranker's order stands."""
+    from ttrank import kernels, ranking
+    from ttrank.donors import DonorStore
+    from ttrank.target import provenance, target_cpu
+    from ttrank.zoo import load
+
+    store = DonorStore.load([donor_dir])
+    conv = next(k for k in kernels.extract(load("zoo:tiny_resnet").mod, target)
+                if k.name == "fused_conv2d1_add1_relu1")
+    here = target_cpu(target)
+    assert here["threads"] == provenance(target)["threads"]
+    ranker = Ranker.load(trained)
+    cands = ranking.rank_kernel(conv, store, ranker, cpu=here)
+    exact = sorted((c for c in cands if c.donor.kernel.workload_hash == conv.workload_hash),
+                   key=lambda c: c.record.latency_s)
+    assert len(exact) >= 2 and [c.record.id for c in cands[:2]] == [c.record.id for c in exact[:2]]
+    elsewhere = ranking.rank_kernel(conv, store, ranker, cpu={**here, "mcpu": "another-cpu"})
+    assert [c.score for c in elsewhere] == sorted((c.score for c in elsewhere), reverse=True)
+    assert sorted(c.record.id for c in elsewhere) == sorted(c.record.id for c in cands)
+    # the same conv under another epilogue (the residual add) gets the same two first
+    sibling = next(k for k in kernels.extract(load("zoo:tiny_resnet").mod, target)
+                   if k.workload_hash != conv.workload_hash and ranking.same_anchor(k, conv))
+    assert [c.record.id for c in ranking.rank_kernel(sibling, store, ranker, cpu=here)[:2]] == \
+        [c.record.id for c in exact[:2]]

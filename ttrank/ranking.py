@@ -70,7 +70,9 @@ class SecondStage:
 def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
                 exclude_networks=frozenset(), cpu: dict | None = None) -> list[Candidate]:
     """Every compatible donor schedule for ``kernel``, scored and sorted best first, for the
-    CPU ``cpu`` describes (:func:`ttrank.target.cpu_description`; None: unknown)."""
+    CPU ``cpu`` describes (:func:`ttrank.target.cpu_description`; None: unknown). Records of
+    this very kernel (or its anchor op) tuned on that CPU with its threads (:func:`tuned_here`)
+    lead, the kernel's own first, fastest first."""
     pairs = store.compatible(kernel, set(exclude_networks))
     if not pairs:
         return []
@@ -79,7 +81,38 @@ def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
     scores = ranker.predict(np.asarray([vector(f) for f in feats], dtype=np.float32))
     cands = [Candidate(kernel, w, r, float(s), f) for (w, r), s, f in zip(pairs, scores, feats)]
     cands.sort(key=lambda c: -c.score)
-    return cands
+    # a donor that tuned this very kernel (or its anchor op, under another epilogue) on this CPU
+    # with these threads has measured it here: that outranks any prediction. ResNet-50's
+    # 200-trial run holds ResNet-18's stride-1 512x7x7 conv; the ranker put three records of the
+    # stride-2 conv of the same extents first, which ran 4.2 ms on it against 1.9-2.1 ms for
+    # the records of the same conv, with or without the residual add
+    here = sorted((c for c in cands if tuned_here(c, kernel, cpu)),
+                  key=lambda c: (c.donor.kernel.workload_hash != kernel.workload_hash, c.record.latency_s))
+    first = here[:MEASURED_HERE_FIRST]
+    return first + [c for c in cands if not any(c is f for f in first)]
+
+
+MEASURED_HERE_FIRST = 2  # such records go first (more would crowd out the ranker's other picks)
+
+
+def same_anchor(a: Kernel, b: Kernel) -> bool:
+    """The same anchor computation (op, loop extents, attributes such as the stride, and data
+    input), whatever the epilogue fused after it."""
+    return (a.anchor_op == b.anchor_op and a.extents == b.extents and a.attrs == b.attrs
+            and a.input_shapes[:1] == b.input_shapes[:1])
+
+
+def tuned_here(c: Candidate, kernel: Kernel, cpu: dict | None) -> bool:
+    """Whether ``c``'s donor is ``kernel`` itself (the same workload) or its anchor computation
+    (:func:`same_anchor`), tuned on the CPU ``cpu`` describes with its runtime threads (donor
+    sets from before threads were recorded used one)."""
+    if not cpu or not cpu.get("mcpu") or not math.isfinite(c.record.latency_s):
+        return False
+    if c.donor.kernel.workload_hash != kernel.workload_hash and not same_anchor(c.donor.kernel, kernel):
+        return False
+    prov = c.record.provenance or {}
+    threads = cpu.get("threads")
+    return prov.get("mcpu") == cpu["mcpu"] and (threads is None or prov.get("threads", 1) == threads)
 
 
 def rerank(kernel: Kernel, cands: list[Candidate], stage: SecondStage, target,
