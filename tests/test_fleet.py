@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import uuid
 from pathlib import Path
 
@@ -99,6 +100,21 @@ def test_a_fleet_key_with_no_device_waits_then_one_line(tmp_path):
         spec = measure.RunnerSpec.from_tracker(f.address, "nobody", device_wait_s=2)
         with pytest.raises(DeviceError, match="lists no device with key 'nobody' \\(waited 2 s"):
             spec.check()
+
+
+def test_a_port_taken_before_the_tracker_and_server_bind_it_is_replaced(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        # the tracker, then the server, are first handed a port some other program holds
+        ports = iter([taken.getsockname()[1], None, taken.getsockname()[1]])
+        real = fleet.free_port
+        monkeypatch.setattr(fleet, "free_port", lambda: next(ports, None) or real())
+        with fleet.local_fleet(1, key="taken", log_dir=tmp_path) as f:
+            assert f.tracker.port != taken.getsockname()[1]
+            assert f.tracker.devices() == 1
+    assert "cannot bind" in (tmp_path / "tracker.log").read_text()
+    assert "cannot bind" in (tmp_path / "server0.log").read_text()
 
 
 def test_peak_concurrency():

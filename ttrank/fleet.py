@@ -444,8 +444,9 @@ class LocalFleet:
     """A TVM RPC tracker and its servers, all processes of this machine."""
 
     tracker: Tracker
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)  # every one started, to kill
     logs: list[Path] = field(default_factory=list)  # one per server
+    servers: list[subprocess.Popen] = field(default_factory=list)  # the ones that registered
 
     @property
     def address(self) -> str:
@@ -464,41 +465,92 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
+def _tail(log: Path, lines: int = 4) -> str:
+    text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return f"{log.name}: " + (" | ".join(text[-lines:]) or "(empty)")
+
+
+# A process that has not answered by then is started again on fresh ports: TVM's server gives up
+# on a tracker it cannot reach within 60 s but stays alive, and a port picked free may be taken
+# by the time the process binds it.
+RESTART_AFTER_S = 45.0
+
+
 @contextlib.contextmanager
 def local_fleet(devices: int, key: str = "ttrank-fleet", cores: list[str] | None = None,
                 log_dir: str | Path | None = None, env: dict | None = None,
-                register_s: float = 120.0) -> Iterator[LocalFleet]:
+                register_s: float = 180.0) -> Iterator[LocalFleet]:
     """Start a tracker and ``devices`` servers under ``key`` on 127.0.0.1 (free ports); server
     ``i`` runs under ``taskset -c cores[i]`` when given. Everything is killed afterwards."""
     own_logs = log_dir is None  # removed afterwards; a given folder is the caller's to read
     logs = Path(log_dir or tempfile.mkdtemp(prefix="ttrank-fleet-"))
     logs.mkdir(parents=True, exist_ok=True)
-    tport = free_port()
-    fleet = LocalFleet(Tracker("127.0.0.1", tport, key))
+    fleet = LocalFleet(Tracker("127.0.0.1", 0, key))
+    fleet.logs = [logs / f"server{i}.log" for i in range(devices)]
+    tracker_log = logs / "tracker.log"
+    deadline = time.time() + register_s
 
-    def start(cmd: list[str], log: Path, core: str | None) -> None:
+    def start(cmd: list[str], log: Path, core: str | None) -> subprocess.Popen:
         pin = ["taskset", "-c", core] if core else []
-        with open(log, "w") as f:
-            fleet.procs.append(subprocess.Popen(pin + [sys.executable, "-m", *cmd], stdout=f, stderr=f,
-                                                start_new_session=True, env=env))
+        with open(log, "a") as f:  # appended: a restart keeps what the last try said
+            proc = subprocess.Popen(pin + [sys.executable, "-m", *cmd], stdout=f, stderr=f,
+                                    start_new_session=True, env=env)
+        fleet.procs.append(proc)
+        return proc
+
+    def give_up(what: str) -> None:
+        tails = "; ".join(_tail(p) for p in [tracker_log, *fleet.logs])
+        raise RuntimeError(f"{what} within {register_s:g} s ({tails})")
+
+    def reachable() -> bool:
+        try:
+            fleet.tracker.servers(timeout_s=5.0)
+            return True
+        except DeviceError:
+            return False
 
     try:
-        start(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(tport),
-               "--port-end", str(tport + 1)], logs / "tracker.log", cores[0] if cores else None)
+        while True:  # the tracker, on a fresh port each try
+            port = free_port()
+            fleet.tracker = Tracker("127.0.0.1", port, key)
+            proc = start(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
+                          "--port-end", str(port + 1)], tracker_log, cores[0] if cores else None)
+            began = time.time()
+            while proc.poll() is None and not reachable() and time.time() - began < RESTART_AFTER_S \
+                    and time.time() < deadline:
+                time.sleep(0.5)
+            if proc.poll() is None and reachable():
+                break
+            _kill_group(proc)
+            if time.time() >= deadline:
+                give_up("the RPC tracker did not start")
+        servers: dict[int, tuple[int, subprocess.Popen, float]] = {}  # index -> port, process, start
+
+        def start_server(i: int) -> None:
+            port = free_port()
+            servers[i] = (port, start(["tvm.exec.rpc_server", "--tracker", fleet.address, "--key", key,
+                                       "--host", "127.0.0.1", "--port", str(port),
+                                       "--port-end", str(port + 1)],
+                                      fleet.logs[i], cores[i % len(cores)] if cores else None),
+                          time.time())
+
         for i in range(devices):
-            sport = free_port()
-            fleet.logs.append(logs / f"server{i}.log")
-            start(["tvm.exec.rpc_server", "--tracker", fleet.address, "--key", key, "--host",
-                   "127.0.0.1", "--port", str(sport), "--port-end", str(sport + 1)],
-                  fleet.logs[-1], cores[i % len(cores)] if cores else None)
-        deadline = time.time() + register_s
+            start_server(i)
         while True:
             with contextlib.suppress(DeviceError):
-                if fleet.tracker.devices() >= devices:
+                ports = {int(a.rsplit(":", 1)[1]) for a in fleet.tracker.servers(timeout_s=5.0)}
+                missing = [i for i, (port, _, _) in servers.items() if port not in ports]
+                if not missing:
                     break
+                for i in missing:
+                    _, proc, began = servers[i]
+                    if proc.poll() is not None or time.time() - began > RESTART_AFTER_S:
+                        _kill_group(proc)
+                        start_server(i)
             if time.time() > deadline:
-                raise RuntimeError(f"the RPC servers did not register with the tracker (logs: {logs})")
+                give_up("the RPC servers did not register with the tracker")
             time.sleep(0.5)
+        fleet.servers = [servers[i][1] for i in range(devices)]
         yield fleet
     finally:
         for p in reversed(fleet.procs):

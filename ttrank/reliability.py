@@ -559,7 +559,7 @@ def rpc_server_killed(kernel_mods: list, target, devices: int, work: Path | None
         def killer() -> None:
             deadline = time.time() + 120
             while time.time() < deadline and not killed:
-                s = busy_server(fleet.procs[1:])  # procs[0] is the tracker
+                s = busy_server(fleet.servers)
                 if s is not None:
                     kill_tree(s)
                     killed.append(s.pid)
