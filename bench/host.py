@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ttrank.adapt import adapted
-from ttrank.bench import ranker_id, results_dir, run_recommend
+from ttrank.bench import head_commit, ranker_id, results_dir, run_recommend
 from ttrank.target import host_mcpu, make_target, provenance
 from ttrank.util import atomic_write_json
 from ttrank.zoo import PAPER_NETWORKS, ZOO
@@ -80,7 +80,7 @@ def one(net: str, layout: str = "nchw") -> dict:
             "fast_math": (report.get("provenance") or {}).get("fast_math"), "ranker": ranker_id(),
             "layout": (report.get("provenance") or {}).get("layout"),
             "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
-            "command": " ".join(cmd[:4]) + " ...", "provenance": provenance()}
+            "command": " ".join(cmd[:4]) + " ...", "commit": head_commit(), "provenance": provenance()}
 
 
 def summary(phase: dict) -> dict:
@@ -101,6 +101,9 @@ def main() -> int:
                     help="phases of their own (shipped@L+LABEL, ...): the same steps after the shipped "
                          "data changed, beside the earlier ones")
     ap.add_argument("--layout", choices=["nchw", "nchwc", "auto"], default="nchw")
+    ap.add_argument("--retime", choices=["shipped", "adapted"], default=None,
+                    help="run that phase's recommends again with the same caches (after the code or the shipped "
+                         "donors changed); the earlier results are kept under its 'earlier' list")
     args = ap.parse_args()
     tag = ("" if args.layout == "nchw" else f"@{args.layout}") + (f"+{args.label}" if args.label else "")
     shipped, adapted_phase, adaptation = f"shipped{tag}", f"adapted{tag}", f"adaptation{tag}"
@@ -117,10 +120,16 @@ def main() -> int:
     res["other_cpus"] = others
     res.setdefault(shipped, {"networks": {}})
     res.setdefault(adapted_phase, {"networks": {}})
+    if args.retime:  # a retime interrupted at this commit goes on where it stopped
+        phase = shipped if args.retime == "shipped" else adapted_phase
+        if res[phase].get("retimed_at") != head_commit():
+            old_phase = res[phase]
+            res[phase] = {"networks": {}, "retimed_at": head_commit(),
+                          "earlier": [*old_phase.pop("earlier", []), old_phase]}
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
 
     def save() -> None:
-        for phase in (shipped, adapted_phase):
+        for phase in (shipped, adapted_phase):  # a retimed phase's summary is of its new runs
             res[phase].update(summary(res[phase]))
         res["provenance"] = provenance()
         atomic_write_json(OUT, res)

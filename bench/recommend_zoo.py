@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ttrank.bench import ranker_id, results_dir, run_recommend
+from ttrank.bench import head_commit, ranker_id, results_dir, run_recommend
 from ttrank.donors import DonorStore
 from ttrank.target import provenance, runtime_threads
 from ttrank.util import atomic_write_json, atomic_write_text
@@ -61,12 +61,6 @@ def previous_of(old: dict | None) -> dict | None:
     return {"recommend_seconds": old["recommend_seconds"], "search_seconds": old.get("search_seconds"),
             "commit": old.get("commit"), "mcpu": prov.get("mcpu"), "date": prov.get("date"),
             "latency_vs_onnxruntime": old.get("latency_vs_onnxruntime")}
-
-
-def _commit() -> str | None:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent)
-    return proc.stdout.strip() or None
 
 
 def _phases(s: dict) -> str:
@@ -158,7 +152,7 @@ def main() -> int:
                                                         extra=extra)
                 results[key] = summarize(net, report, wall, donors, paused)
                 results[key]["previous"] = previous_of(old)
-                results[key]["commit"] = _commit()
+                results[key]["commit"] = head_commit()
                 results[key]["ranker"] = ranker
                 results[key]["fast_math"] = (report.get("provenance") or {}).get("fast_math")
             except RuntimeError as e:

@@ -167,3 +167,11 @@ def keep_measurements(src: Path) -> None:
     are skipped)."""
     if any(src.glob("*.jsonl")):
         import_tables(src, kept_measurements_dir())
+
+
+def head_commit() -> str | None:
+    """The checkout's short commit (None outside a git checkout): which code produced a row."""
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent)
+    return proc.stdout.strip() or None
+
