@@ -351,3 +351,33 @@ def test_tuning_registers_only_the_cpus_own_tensor_intrinsics():
     aarch64 = make_target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"})
     assert isa_intrinsics_module(aarch64) == "arm_cpu"
     assert isa_intrinsics_module(None) is None
+
+
+class _Timed:
+    """A contender whose successive timings are given (ms); the last one repeats."""
+
+    def __init__(self, times: list[float]):
+        self.times, self.calls = list(times), 0
+
+    def time_ms(self, feed, repeat: int = 1, min_repeat_ms: int = 0) -> float:
+        self.calls += 1
+        return self.times[min(self.calls, len(self.times)) - 1]
+
+
+class _NoInputs:
+    def random_inputs(self) -> dict:
+        return {}
+
+
+def test_alternate_timing_goes_on_while_a_noisy_stretch_passes():
+    steady, recovering = _Timed([5.0]), _Timed([10.0, 9.0, 8.0, 5.0])
+    best = runtime.alternate_ms(_NoInputs(), {"a": steady, "b": recovering}, rounds=3, onnxruntime=False)
+    assert best == {"a": 5.0, "b": 5.0}
+    # the last gain came in the fourth round; three rounds without one then end it
+    assert steady.calls == recovering.calls == 7
+    quiet = _Timed([5.0])
+    runtime.alternate_ms(_NoInputs(), {"q": quiet}, rounds=3, onnxruntime=False)
+    assert quiet.calls == 3
+    falling = _Timed([100.0 - i for i in range(50)])
+    runtime.alternate_ms(_NoInputs(), {"f": falling}, rounds=3, onnxruntime=False)
+    assert falling.calls == 9  # at most 3x the rounds asked
