@@ -110,6 +110,31 @@ def test_evaluation_per_cpu_and_leave_one_cpu_out():
     assert one["cpus"] == {} and one["have"] == ["emeraldrapids"]
 
 
+def test_pooled_per_cpu_evaluation_trains_on_every_cpu_but_never_on_the_held_out_network():
+    class NetworkSpy:  # defined here, so that the evaluation's worker processes get it by value
+        """Fails if it is asked to score a network it was trained on (column 0: the network)."""
+
+        def fit(self, X, y, groups):
+            self.seen = set(X[:, 0].tolist())
+            return self
+
+        def predict(self, X):
+            assert not self.seen & set(X[:, 0].tolist()), "scored a network it trained on"
+            return -X[:, 1]
+
+    ds = _two_cpu_dataset()
+    X = ds.X.copy()
+    X[:, 0] = [int(m["network"][3:]) for m in ds.meta]
+    ds = Dataset(X, ds.y, ds.groups, ds.meta)
+    each = per_cpu(ds, NetworkSpy, pooled=True)
+    assert set(each) == {"emeraldrapids", "znver4"}
+    assert all(set(r["networks"]) == {f"net{i}" for i in range(5)} for r in each.values())
+    assert each["znver4"]["rows"] == each["emeraldrapids"]["rows"] == len(ds.y) // 2
+    # a learned model pooled over both CPUs, with the CPU features, ranks each CPU's kernels
+    learned = per_cpu(ds, lambda: Ranker(objective="rank:pairwise", n_estimators=30), pooled=True)
+    assert all(0 < r["average"]["top1"] <= r["average"]["top3"] <= 1.0 for r in learned.values())
+
+
 def test_another_machines_rows_join_the_training_data_once(measurements, donor_dir, tmp_path, capsys):
     from ttrank.cli import main
     from ttrank.util import append_jsonl, read_jsonl

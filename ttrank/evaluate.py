@@ -148,11 +148,24 @@ def cpu_of_rows(ds: Dataset) -> np.ndarray:
     return np.array([m.get("mcpu") or "unknown" for m in ds.meta])
 
 
-def per_cpu(ds: Dataset, make_model: Callable[[], object]) -> dict[str, dict]:
-    """Leave-one-network-out on each CPU's rows alone: how well the ranker ranks for a CPU
-    when it learned from that CPU's other networks."""
+def per_cpu(ds: Dataset, make_model: Callable[[], object], pooled: bool = False) -> dict[str, dict]:
+    """Leave one network out, scored on each CPU's rows: how well the ranker ranks for a CPU on
+    a network it never saw.
+
+    By default it learns from that CPU's rows alone. ``pooled`` trains it as the shipped ranker
+    is trained, on every CPU's rows of the other networks (the held-out network's rows, and rows
+    whose donor it is, stay out on every CPU)."""
     cpus = cpu_of_rows(ds)
     out = {}
+    if pooled:
+        nets = np.array([m["network"] for m in ds.meta])
+        scores, held = held_out_scores(ds, make_model, nets, drop_own_donors=True)
+        for cpu in sorted(set(cpus)):
+            mine = set(np.flatnonzero(cpus == cpu).tolist())
+            per_net = {net: evaluate(ds, scores, [i for i in rows if i in mine])
+                       for net, rows in held.items() if any(i in mine for i in rows)}
+            out[str(cpu)] = {"average": _averaged(per_net), "networks": per_net, "rows": len(mine)}
+        return out
     for cpu in sorted(set(cpus)):
         res = leave_one_network_out(subset(ds, np.flatnonzero(cpus == cpu)), make_model)
         out[str(cpu)] = {"average": res["average"], "networks": res["networks"],
