@@ -127,7 +127,8 @@ def main() -> None:
     def make():
         return Ranker(n_estimators=args.trees, **cfg)
 
-    cpus = {"per_cpu": per_cpu(ds, make), "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
+    cpus = {"per_cpu": per_cpu(ds, make), "per_cpu_pooled": per_cpu(ds, make, pooled=True),
+            "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
 
     curve = {f"top{k}": res["average"].get(f"top{k}") for k in KS}
     out = {"ranker": best, "configs": {o: {k: r["average"].get(k) for k in KEYS}
@@ -164,14 +165,16 @@ def main() -> None:
         lines.append(f"| **average** | {a['top1']:.3f} | {a['top3']:.3f} | {a['top5']:.3f} | "
                      f"{a['ndcg5']:.3f} | {a['within5']:.2f} | {_fmt(baselines['paper'].get('top1'))} | "
                      f"{baselines['nearest_shape']['top3']:.3f} |")
-    lines += ["", "Per CPU (the ranker alone, leave one network out on that CPU's rows; leave one CPU out trains "
-              "on the other CPUs' rows):", "", "| CPU | rows | top-1 | top-3 | leave-one-CPU-out top-1 | top-3 |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "Per CPU (the ranker alone, leave one network out scored on that CPU's rows: trained on its "
+              "rows alone, or pooled over every CPU's rows of the other networks; leave one CPU out trains on "
+              "the other CPUs' rows):", "",
+              "| CPU | rows | own top-1 | own top-3 | pooled top-1 | pooled top-3 | leave-one-CPU-out top-1 | top-3 |",
+              "|---|---|---|---|---|---|---|---|"]
     lo = cpus["leave_one_cpu_out"]
     for c, r in cpus["per_cpu"].items():
-        m, o = r["average"], lo["cpus"].get(c) or {}
+        m, p, o = r["average"], cpus["per_cpu_pooled"][c]["average"], lo["cpus"].get(c) or {}
         lines.append(f"| {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
-                     f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+                     f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | {_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
     if not lo["cpus"]:
         lines += ["", f"Leave one CPU out needs rows from two CPUs or more; the data has {', '.join(lo['have'])}."]
     lines += ["", "| method | top-1 | top-3 | top-5 | NDCG@5 |", "|---|---|---|---|---|"]
@@ -217,22 +220,26 @@ def cpus_only(args) -> None:
     lines = ["# The ranker per CPU and on a CPU it never saw", "",
              f"{out['rows']} measured candidates in {out['kernel_groups']} kernel groups. Written by "
              "`python bench/ranker_eval.py --cpus-only` (the shipped ranker's settings, "
-             f"{args.trees} trees). Per CPU: leave one network out on that CPU's rows. Leave one CPU out: "
-             "trained on the other CPUs' rows.", "",
-             "| features | CPU | rows | top-1 | top-3 | leave-one-CPU-out top-1 | top-3 |",
-             "|---|---|---|---|---|---|---|"]
+             f"{args.trees} trees). Leave one network out, scored on each CPU's rows: trained on that CPU's "
+             "rows alone (own), or on every CPU's rows of the other networks (pooled: how the shipped "
+             "ranker is trained). Leave one CPU out: trained on the other CPUs' rows.", "",
+             "| features | CPU | rows | own top-1 | own top-3 | pooled top-1 | pooled top-3 | "
+             "leave-one-CPU-out top-1 | top-3 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for fg in (groups, (*groups, "c")):
         label = "+".join(fg)
 
         def make(fg=fg):
             return Ranker(n_estimators=args.trees, feature_groups=fg, **base)
 
-        res = {"per_cpu": per_cpu(ds, make), "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
+        res = {"per_cpu": per_cpu(ds, make), "per_cpu_pooled": per_cpu(ds, make, pooled=True),
+               "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
         out["configs"][label] = res
         lo = res["leave_one_cpu_out"]
         for c, r in res["per_cpu"].items():
-            m, o = r["average"], lo["cpus"].get(c) or {}
+            m, p, o = r["average"], res["per_cpu_pooled"][c]["average"], lo["cpus"].get(c) or {}
             lines.append(f"| {label} | {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
+                         f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | "
                          f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
     res_dir = args.out or results_dir()
     res_dir.mkdir(parents=True, exist_ok=True)

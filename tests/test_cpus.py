@@ -178,3 +178,17 @@ def test_adapt_refits_the_ranker_it_has_with_the_same_settings(measurements, don
     # the same settings, learned again from the rows there are now, without choosing them again
     assert new.get_params() == like.get_params() and rep["leave_one_network_out"] is None
     assert new.metadata["top_k"] == rep["top_k"] and new.metadata["training_rows"] > 0
+
+
+def test_the_ranker_settings_are_chosen_by_their_mean_over_the_cpus():
+    from ttrank.training import candidate_configs, config_label, select_config
+
+    ds = _two_cpu_dataset()
+    configs = [c for c in candidate_configs(("reg:squarederror",))]
+    best, results = select_config(ds, configs, n_estimators=20, seeds=(0,))
+    assert all(set(r["cpus"]) == {"emeraldrapids", "znver4"} for r in results.values())
+
+    def mean_over_cpus(label: str) -> float:
+        return float(np.mean([(a["top1"] + a["top3"]) / 2 for a in results[label]["cpus"].values()]))
+
+    assert config_label(best) == max(results, key=mean_over_cpus)

@@ -134,7 +134,20 @@ def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict
     nets = np.array([m["network"] for m in ds.meta])
     scores, held = held_out_scores(ds, make_model, nets, drop_own_donors=True)
     per_net = {net: evaluate(ds, scores, rows) for net, rows in held.items()}
-    return {"networks": per_net, "average": _averaged(per_net), "scores": scores}
+    return {"networks": per_net, "average": _averaged(per_net), "scores": scores, "held": held}
+
+
+def by_cpu(ds: Dataset, scores: np.ndarray, held: dict[str, list[int]]) -> dict[str, dict]:
+    """Held-out scores (``held``: each network's rows) evaluated on each CPU's rows apart:
+    per CPU, the average over the networks it has rows of."""
+    cpus = cpu_of_rows(ds)
+    out = {}
+    for cpu in sorted(set(cpus)):
+        mine = set(np.flatnonzero(cpus == cpu).tolist())
+        per_net = {net: evaluate(ds, scores, [i for i in rows if i in mine])
+                   for net, rows in held.items() if any(i in mine for i in rows)}
+        out[str(cpu)] = {"average": _averaged(per_net), "networks": per_net, "rows": len(mine)}
+    return out
 
 
 def subset(ds: Dataset, rows: list[int]) -> Dataset:
@@ -155,17 +168,11 @@ def per_cpu(ds: Dataset, make_model: Callable[[], object], pooled: bool = False)
     By default it learns from that CPU's rows alone. ``pooled`` trains it as the shipped ranker
     is trained, on every CPU's rows of the other networks (the held-out network's rows, and rows
     whose donor it is, stay out on every CPU)."""
+    if pooled:
+        res = leave_one_network_out(ds, make_model)
+        return by_cpu(ds, res["scores"], res["held"])
     cpus = cpu_of_rows(ds)
     out = {}
-    if pooled:
-        nets = np.array([m["network"] for m in ds.meta])
-        scores, held = held_out_scores(ds, make_model, nets, drop_own_donors=True)
-        for cpu in sorted(set(cpus)):
-            mine = set(np.flatnonzero(cpus == cpu).tolist())
-            per_net = {net: evaluate(ds, scores, [i for i in rows if i in mine])
-                       for net, rows in held.items() if any(i in mine for i in rows)}
-            out[str(cpu)] = {"average": _averaged(per_net), "networks": per_net, "rows": len(mine)}
-        return out
     for cpu in sorted(set(cpus)):
         res = leave_one_network_out(subset(ds, np.flatnonzero(cpus == cpu)), make_model)
         out[str(cpu)] = {"average": res["average"], "networks": res["networks"],
