@@ -19,6 +19,7 @@ from ttrank.evaluate import policy_curve
 from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, FixedK, native_candidate, policy_of, rank_kernel, shortlist
+from ttrank.target import vector_class
 
 
 def test_adaptive_policy_measures_what_the_ranker_is_unsure_of():
@@ -117,6 +118,21 @@ def test_a_schedule_tuned_on_this_cpu_is_measured_beside_the_rankers_picks(train
     assert [p.candidate for p in picks] == [cands[0], native]
     # already among the k: measured once
     assert len(shortlist(kernel, [native] + elsewhere, 1, target, also=[native])) == 1
+    # none tuned here: the best-ranked one tuned on a CPU of this one's vector class instead
+    # (on an AVX2 CPU, an AVX2 CPU's schedule; AVX-512 ones run their 16-lane loops in halves)
+    here = vector_class(target.attrs["mcpu"])
+    if here not in ((0.0, 256.0), (0.0, 512.0)):
+        pytest.skip("the two CPU names below are x86's")
+    same, other = ("haswell", "skylake-avx512") if here == (0.0, 256.0) else ("skylake-avx512", "haswell")
+    assert vector_class(same) == here != vector_class(other)
+
+    def tuned_on(c, mcpu):
+        return dataclasses.replace(c, record=dataclasses.replace(c.record, provenance={**c.record.provenance,
+                                                                                       "mcpu": mcpu}))
+
+    cands = [tuned_on(c, other) for c in ranked[:-1]] + [tuned_on(ranked[-1], same)]
+    assert native_candidate(cands, target.attrs["mcpu"]) is cands[-1]
+    assert native_candidate(cands[:-1], target.attrs["mcpu"]) is None
 
 
 def test_kernels_with_one_workload_are_one_kernel(tmp_path, target):

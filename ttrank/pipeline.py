@@ -344,10 +344,12 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
             rep.rejections.append((c.record.id, r.get("reason", r["status"])))
         return r
 
-    # a schedule tuned on this very CPU is measured too, when the ranker (which learned
-    # mostly on other CPUs) did not put it among the k: on znver3 (AVX2), a conv natively
-    # tuned for 128 trials ran 1.8 ms where schedules from AVX-512 donors ran 2.7
-    also = [native_candidate(ranked, target.attrs.get("mcpu"))] if rep.top_k > 1 else []
+    # a schedule tuned on this very CPU (else on one of its vector class) is measured too, when
+    # the ranker (which learned mostly on other CPUs) did not put it among the k: on znver3
+    # (AVX2), a conv natively tuned for 128 trials ran 1.8 ms where schedules from AVX-512
+    # donors ran 2.7
+    also = ([native_candidate(ranked, target.attrs.get("mcpu"), str(target.attrs.get("mtriple") or ""))]
+            if rep.top_k > 1 else [])
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
     picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,

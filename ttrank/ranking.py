@@ -17,6 +17,7 @@ from .features import vector, workload_features
 from .kernels import Kernel
 from .programs import WIDTH, CostModel, Featurizer, blend, cost_model_without, default_cost_model
 from .ranker import Ranker
+from .target import vector_class
 from .transfer import Transferred, transfer
 
 # seconds one kernel's second stage, and then its picks, may each spend transferring. A conv's 20
@@ -155,11 +156,18 @@ class Pick:
     beside: bool = False  # measured besides the ranker's k (shortlist's ``also``)
 
 
-def native_candidate(cands: list[Candidate], mcpu: str | None) -> Candidate | None:
-    """The best-ranked candidate tuned on this very CPU (``mcpu``), if any."""
+def native_candidate(cands: list[Candidate], mcpu: str | None, triple: str = "") -> Candidate | None:
+    """The best-ranked candidate tuned on this very CPU (``mcpu``); failing that, the
+    best-ranked one tuned on a CPU of its vector class (:func:`ttrank.target.vector_class`): on
+    an AVX2 CPU, schedules tuned on another AVX2 CPU, which a ranker that learned on AVX-512
+    CPUs' rows may rank low."""
     if not mcpu:
         return None
-    return next((c for c in cands if (c.record.provenance or {}).get("mcpu") == mcpu), None)
+    here = next((c for c in cands if (c.record.provenance or {}).get("mcpu") == mcpu), None)
+    mine = vector_class(mcpu, triple)
+    if here is not None or mine is None:
+        return here
+    return next((c for c in cands if vector_class((c.record.provenance or {}).get("mcpu") or "") == mine), None)
 
 
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,

@@ -74,6 +74,19 @@ _AMD_CPUS = ("znver", "bdver", "btver", "barcelona", "amdfam10", "athlon", "opte
 def cpu_isa(mcpu: str, triple: str = "") -> dict[str, float]:
     """What LLVM knows of ``mcpu``'s instruction set: the widest float vector in bits, FMA,
     AVX-512, VNNI, AMX and SVE, and the vendor. Empty for a CPU this LLVM does not know."""
+    return dict(_cpu_isa(mcpu, triple))  # a copy: callers may add to it
+
+
+def vector_class(mcpu: str, triple: str = "") -> tuple[float, float] | None:
+    """(arm, widest float vector in bits) of ``mcpu``: CPUs of one class run a schedule's
+    vector loops alike (an AVX-512 schedule's 16-lane loops take two instructions on AVX2).
+    None for a CPU this LLVM does not know."""
+    isa = _cpu_isa(mcpu, triple)
+    return (isa["arm"], isa["vector_bits"]) if isa else None
+
+
+@lru_cache(maxsize=256)
+def _cpu_isa(mcpu: str, triple: str = "") -> dict[str, float]:
     import tvm
     from tvm.target import codegen
 
