@@ -21,11 +21,16 @@ from ttrank.target import make_target
 from ttrank.workdir import read_manifest
 
 
-def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path, capsys):
-    # donors tuned in the packed layout: only its packed convs, a few trials each
-    packed_donors = tmp_path / "tiny_cnn@nchwc"  # a donor set of network tiny_cnn
-    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(packed_donors),
+@pytest.fixture(scope="module")
+def packed_donors(tiny_cnn, tmp_path_factory) -> Path:
+    """Donors tuned in the packed layout: only tiny_cnn's packed convs, a few trials each."""
+    out = tmp_path_factory.mktemp("packed") / "tiny_cnn@nchwc"  # a donor set of network tiny_cnn
+    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(out),
                  "--trials-per-task", "6", "--only", "NCHWc", "--no-progress"]) == 0
+    return out
+
+
+def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, packed_donors, tmp_path, capsys):
     assert read_manifest(packed_donors)["layout"] == "nchwc"
     store = donors.DonorStore.load([packed_donors])
     assert store.workloads and all("NCHWc" in w.kernel.anchor_op for w in store.workloads)
@@ -56,18 +61,15 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, tmp_path,
     assert not any("NCHWc" in k.anchor_op for k in plain)
 
 
-def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_bert, tmp_path, target,
-                                                     monkeypatch):
+def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_bert, packed_donors, tmp_path,
+                                                     target, monkeypatch):
     as_imported = zoo.load(str(tiny_cnn))
 
     # NCHW donors only: the model stays as exported
     model, why = coverage.choose_layout(as_imported, donors.DonorStore.load([donor_dir]), target)
     assert model.layout == "nchw" and why == "no packed-conv donors in the store"
     # packed donors for its convs (a few trials of the model's own packed convs)
-    packed = tmp_path / "tiny_cnn@nchwc"
-    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(packed),
-                 "--trials-per-task", "2", "--only", "NCHWc", "--no-progress"]) == 0
-    store = donors.DonorStore.load([donor_dir, packed])
+    store = donors.DonorStore.load([donor_dir, packed_donors])
     model, why = coverage.choose_layout(as_imported, store, target)
     assert model.layout == "nchwc" and why.startswith("packed donors cover all")
     # packed from the one import, and its kernels extracted once (recommend reuses them)
