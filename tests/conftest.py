@@ -118,13 +118,14 @@ def unsupported_op_model(model_dir) -> Path:
     return path
 
 
-def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out) -> collect.CollectStats:
+def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out, max_per_kernel: int = 12,
+                      paper: bool = True) -> collect.CollectStats:
     store = donors.DonorStore.load([donor_dir])
     m = measure.Measurer(target)
     try:
         # tiny_resnet is also the "paper's" hand-picked donor: exact-class matches, tiles as-is
         return collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,
-                               max_per_kernel=12, paper_donor="tiny_resnet")
+                               max_per_kernel=max_per_kernel, paper_donor="tiny_resnet" if paper else None)
     finally:
         m.close()
 
