@@ -192,3 +192,18 @@ def test_the_ranker_settings_are_chosen_by_their_mean_over_the_cpus():
         return float(np.mean([(a["top1"] + a["top3"]) / 2 for a in results[label]["cpus"].values()]))
 
     assert config_label(best) == max(results, key=mean_over_cpus)
+
+
+def test_a_refit_on_rows_of_avx2_and_avx512_cpus_learns_the_cpu_features(tmp_path):
+    from ttrank.training import train
+
+    ds = _two_cpu_dataset()  # emeraldrapids and znver4: both AVX-512
+    like = Ranker(objective="reg:squarederror", n_estimators=20, feature_groups=("t", "d", "s", "a", "r"))
+    like = Ranker.load(like.fit(ds.X, ds.y, ds.groups).save(tmp_path / "like.json", top_k=3))
+    train([tmp_path], out=tmp_path / "same.json", ds=ds, like=like, programs=False)
+    assert Ranker.load(tmp_path / "same.json").feature_groups == like.feature_groups
+    # the AMD rows measured on an AVX2 CPU instead: the two classes' labels need the CPU told apart
+    meta = [{**m, "mcpu": "znver1" if m["mcpu"] == "znver4" else m["mcpu"]} for m in ds.meta]
+    train([tmp_path], out=tmp_path / "mixed.json", ds=Dataset(ds.X, ds.y, ds.groups, meta), like=like,
+          programs=False)
+    assert Ranker.load(tmp_path / "mixed.json").feature_groups == (*like.feature_groups, "c")

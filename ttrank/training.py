@@ -20,7 +20,7 @@ from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
 from .ranker import OBJECTIVES, Ranker
-from .target import make_target, provenance
+from .target import make_target, provenance, vector_class
 from .util import cache_dir, sha256_of
 from .workdir import RECORD_FILE, db_file
 
@@ -52,6 +52,11 @@ def data_cpus_of(ds: Dataset) -> dict[str, int]:
     from collections import Counter
 
     return dict(Counter(m.get("mcpu") or "unknown" for m in ds.meta).most_common())
+
+
+def data_vector_classes(ds: Dataset) -> set[tuple[float, float]]:
+    """The vector classes (:func:`ttrank.target.vector_class`) of the CPUs that measured the rows."""
+    return {c for c in (vector_class(m) for m in data_cpus_of(ds)) if c is not None}
 
 
 def candidate_configs(objectives: tuple[str, ...] = OBJECTIVES) -> list[dict]:
@@ -199,8 +204,14 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
 
 
 def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: dict) -> dict:
-    """:func:`train` with ``like``'s settings (its trees too): no evaluation, the same second stage."""
+    """:func:`train` with ``like``'s settings (its trees too): no evaluation, the same second stage.
+    One exception: rows of CPUs of different vector classes (AVX2 and AVX-512) are learned with
+    the CPU features (``c``). Without them the classes' labels contradict each other: with
+    znver1's 353 AVX2 rows added, emeraldrapids' pooled leave-one-out top-1 fell from 0.832 to
+    0.756 without them, and was 0.840 with them."""
     params = like.get_params()
+    if "c" not in params["feature_groups"] and len(data_vector_classes(ds)) > 1:
+        params["feature_groups"] = (*params["feature_groups"], "c")
     report.update(config=config_label(params), objective=params["objective"], refit_like=str(like.path),
                   top_k=like.metadata.get("top_k") or 3, leave_one_network_out=None)
     stage2 = like.metadata.get("stage2")
