@@ -119,9 +119,10 @@ def unsupported_op_model(model_dir) -> Path:
 
 
 def _collect_tiny_cnn(donor_dir, tiny_cnn, target, out, max_per_kernel: int = 12,
-                      paper: bool = True) -> collect.CollectStats:
+                      paper: bool = True, rounds: int = 3) -> collect.CollectStats:
+    """``rounds``: passes over each batch (1 when only what gets measured matters, not how fast)."""
     store = donors.DonorStore.load([donor_dir])
-    m = measure.Measurer(target)
+    m = measure.Measurer(target, measure.RunnerSpec(rounds=rounds))
     try:
         # tiny_resnet is also the "paper's" hand-picked donor: exact-class matches, tiles as-is
         return collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, out, target, m,

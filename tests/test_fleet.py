@@ -35,7 +35,7 @@ def _fleet_collect(donor_dir: Path, tiny_cnn: Path, target, tmp_path: Path, **kw
     """collect on tiny_cnn through a tracker and two servers on 127.0.0.1 (free ports)."""
     store = donors.DonorStore.load([donor_dir])
     with fleet.local_fleet(2, key=f"fleet-{uuid.uuid4().hex[:8]}", log_dir=tmp_path / "logs") as f:
-        spec = measure.RunnerSpec.from_tracker(f.address, f.tracker.key)
+        spec = measure.RunnerSpec.from_tracker(f.address, f.tracker.key, rounds=2)  # 2: both devices at once
         m = measure.Measurer(target, spec)
         try:
             stats = collect.collect("tiny_cnn", frontend.load(tiny_cnn), store, tmp_path / "out", target,
@@ -106,8 +106,10 @@ def test_a_port_taken_before_the_tracker_and_server_bind_it_is_replaced(tmp_path
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
-        # the tracker, then the server, are first handed a port some other program holds
-        ports = iter([taken.getsockname()[1], None, taken.getsockname()[1]])
+        # the tracker, then the server, are first handed a port some other program holds (the
+        # server started beside the first tracker goes with it; the next pair gets the ports
+        # after that)
+        ports = iter([taken.getsockname()[1], None, None, taken.getsockname()[1]])
         real = fleet.free_port
         monkeypatch.setattr(fleet, "free_port", lambda: next(ports, None) or real())
         with fleet.local_fleet(1, key="taken", log_dir=tmp_path) as f:

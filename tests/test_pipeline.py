@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ttrank
-from ttrank import collect, donors, frontend, measure
+from ttrank import collect, donors, frontend, measure, pipeline
 from ttrank.cli import main
 from ttrank.errors import RankerError
 from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_network_out
@@ -39,7 +39,7 @@ def test_rows_from_another_cpu_are_measured_again(measurements, donor_dir, tiny_
         r["provenance"] = {**r["provenance"], "mcpu": "other-cpu"}
     (tmp_path / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # (a few candidates per kernel are enough to make each kernel a group of its own)
-    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, tmp_path, max_per_kernel=4, paper=False)
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, tmp_path, max_per_kernel=4, paper=False, rounds=1)
     assert stats.measured > 0 and stats.skipped_existing == 0
     # and the two CPUs' latencies rank in separate groups
     store = donors.DonorStore.load([donor_dir])
@@ -60,7 +60,7 @@ def test_rows_of_a_schedule_since_replaced_are_stale(measurements, donor_dir, ti
     (tmp_path / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = donors.DonorStore.load([donor_dir])
     assert collect.build_dataset([tmp_path], store).groups == []  # never trained on
-    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, tmp_path, max_per_kernel=4, paper=False)
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, tmp_path, max_per_kernel=4, paper=False, rounds=1)
     assert stats.measured > 0 and stats.skipped_existing == 0  # and measured again
     assert len(collect.build_dataset([tmp_path], store).groups) == len(collect.build_dataset([measurements], store).groups)
 
@@ -199,7 +199,7 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                      ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data",
                      database_dir=tmp_path / "db3", time_model=False, tune_missing=0,
-                     runner=measure.RunnerSpec())
+                     runner=measure.RunnerSpec(rounds=1))
     warm = [json.loads(line) for line in table.read_text().splitlines()[n:]]
     assert len(warm) >= len(tuned) and not any(row["provenance"].get("cache_flush") for row in warm)
 
@@ -208,7 +208,6 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
                                                       monkeypatch):
     """Ctrl-C in the middle: finished batches stay in the table, nothing is written as done,
     and the rerun measures only what is missing."""
-    import ttrank.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "MEASURE_CHUNK", 1)
     real, calls, stop = measure.Measurer._build, [], [True]
@@ -240,7 +239,6 @@ def test_recommend_interrupted_keeps_what_it_measured(trained, donor_dir, tiny_c
 def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_path, monkeypatch):
     """A budget spent after the first batch: that batch held the top-1 of the kernel with the
     largest share of the model; the others say why they stayed untuned."""
-    import ttrank.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "MEASURE_CHUNK", 1)
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
@@ -352,6 +350,16 @@ def test_a_transposed_conv_takes_conv2d_schedules_by_transfer(trained, donor_dir
     # default schedule, may have replaced that
     assert softmax.status == "untuned" or softmax.chosen["donor_network"] == "design-space"
     assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_recommends_own_tuning_cuts_off_trials_far_slower_than_the_kernel():
+    """A trial of recommend's own tuning may run TRIAL_TIMEOUT_FACTOR x the kernel's best known
+    latency per call: a 2.7 ms softmax's trials get the floor, a 0.2 s conv's several seconds,
+    and none gets more than the runner's default."""
+    default = measure.RunnerSpec().timeout_sec
+    assert pipeline.trial_timeout_s(0.0027) == pipeline.TRIAL_TIMEOUT_FLOOR_S
+    assert pipeline.TRIAL_TIMEOUT_FLOOR_S < pipeline.trial_timeout_s(0.2) < default
+    assert pipeline.trial_timeout_s(5.0) == pipeline.trial_timeout_s(None) == default
 
 
 def test_what_no_donor_covers_is_tuned_once_then_transferred(trained, donor_dir, softmax_head, tmp_path,

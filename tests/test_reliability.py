@@ -245,7 +245,9 @@ def test_the_only_rpc_device_killed_mid_measure_is_one_clear_error(tiny_cnn, tar
     res = reliability.rpc_server_killed(_some_kernels(tiny_cnn, target, 3), target, devices=1)
     assert res["killed_server"] and res["devices_left"] == 0
     assert "no device with key" in res["error"] and "rerun to resume" in res["error"]
-    assert res["seconds"] < 60  # noticed within a few polls, not after a session timeout
+    # noticed within a few polls, not after a session timeout, and the runs still queued for
+    # the lost device are dropped, not waited for (17 s on a 2-core Zen 1; 47 s before)
+    assert res["seconds"] < 40
 
 
 @pytest.mark.slow

@@ -361,6 +361,7 @@ class FleetRunner(PyRunner):
         # are plain RunnerFutures, so this is where the caller looks)
         self.runs: dict[str, list[str]] = {}
         self.stopped = False  # abandoned: lost runs are not retried
+        self._pending: list = []  # the pool's futures of runs not yet done, for stop() to cancel
         self.conflict = ""  # the devices report different CPUs: nothing more runs
         self._lock = threading.Lock()
 
@@ -375,8 +376,11 @@ class FleetRunner(PyRunner):
 
     def submit(self, args: tuple):
         assert self.pool is not None
-        return self.pool.submit(run_on_device, self.tracker, self.session_timeout_s,
-                                self.evaluator_config, *args)
+        fut = self.pool.submit(run_on_device, self.tracker, self.session_timeout_s,
+                               self.evaluator_config, *args)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return fut
 
     def run(self, runner_inputs: list[RunnerInput]) -> list[RunnerFuture]:
         try:
@@ -411,8 +415,13 @@ class FleetRunner(PyRunner):
         return peak_concurrency([(s, e) for _, s, e in self.sessions])
 
     def stop(self) -> None:
-        """Retry nothing more: the caller is abandoning this runner's runs."""
+        """Retry nothing more, and start nothing more: the caller is abandoning this runner's
+        runs. A run still queued for a worker would wait for a session forever once no device
+        is left (with one device and three queued, that was 30 s of the caller's cleanup)."""
         self.stopped = True
+        with self._lock:
+            for f in self._pending:
+                f.cancel()  # only what has not started: the caller kills the running ones
 
     def close(self) -> None:
         if self.pool is not None:
@@ -509,33 +518,36 @@ def local_fleet(devices: int, key: str = "ttrank-fleet", cores: list[str] | None
         except DeviceError:
             return False
 
+    servers: dict[int, tuple[int, subprocess.Popen, float]] = {}  # index -> port, process, start
+
+    def start_server(i: int) -> None:
+        port = free_port()
+        servers[i] = (port, start(["tvm.exec.rpc_server", "--tracker", fleet.address, "--key", key,
+                                   "--host", "127.0.0.1", "--port", str(port),
+                                   "--port-end", str(port + 1)],
+                                  fleet.logs[i], cores[i % len(cores)] if cores else None),
+                      time.time())
+
     try:
         while True:  # the tracker, on a fresh port each try
             port = free_port()
             fleet.tracker = Tracker("127.0.0.1", port, key)
             proc = start(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
                           "--port-end", str(port + 1)], tracker_log, cores[0] if cores else None)
+            # the servers start beside it: each process imports TVM first (seconds, as long as
+            # the tracker's), then connects, retrying until the tracker listens
+            for i in range(devices):
+                start_server(i)
             began = time.time()
             while proc.poll() is None and not reachable() and time.time() - began < RESTART_AFTER_S \
                     and time.time() < deadline:
                 time.sleep(0.5)
             if proc.poll() is None and reachable():
                 break
-            _kill_group(proc)
+            for p in [proc, *(sp for _, sp, _ in servers.values())]:  # they know its old port
+                _kill_group(p)
             if time.time() >= deadline:
                 give_up("the RPC tracker did not start")
-        servers: dict[int, tuple[int, subprocess.Popen, float]] = {}  # index -> port, process, start
-
-        def start_server(i: int) -> None:
-            port = free_port()
-            servers[i] = (port, start(["tvm.exec.rpc_server", "--tracker", fleet.address, "--key", key,
-                                       "--host", "127.0.0.1", "--port", str(port),
-                                       "--port-end", str(port + 1)],
-                                      fleet.logs[i], cores[i % len(cores)] if cores else None),
-                          time.time())
-
-        for i in range(devices):
-            start_server(i)
         while True:
             with contextlib.suppress(DeviceError):
                 ports = {int(a.rsplit(":", 1)[1]) for a in fleet.tracker.servers(timeout_s=5.0)}

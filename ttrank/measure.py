@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuilder
@@ -49,8 +49,24 @@ SETTLE_FACTOR = 1.5
 # share of the model, and whether a candidate beats the untuned kernel by far).
 SELF_TIMED_S = 0.05
 
+# A candidate whose output check (one call, in its build worker) already took SELF_TIMED_S or
+# more, and over this many times the best latency known for its kernel (the untuned kernel's
+# included), is not run at all: that call is its latency. One cold call beside the other
+# worker's build reads high, not low, and by far less than this; MetaSchedule's design space
+# for a [40, 6625] softmax holds schedules 800x slower than the untuned kernel (2.1 s a call,
+# recomputing each row's sum per element), which the runner called 3 times a pass.
+PRESETTLE_FACTOR = 4.0
+
 # Test hook: a build whose module has this attribute sleeps, to prove timeouts work.
 HANG_ATTR = "ttrank.test_hang_seconds"
+
+
+class Built(NamedTuple):
+    """A module built for measurement: its library, and the seconds of one call the build
+    worker made of it (the reference run, or the output check), when it made one."""
+
+    path: str
+    once_s: float | None = None
 
 
 def _build_export(mod, target, artifact_dir: str) -> str:
@@ -158,21 +174,21 @@ def _reference(ref_mod, ref_key: str, refs_dir: str, built=None) -> tuple[int, d
 
 
 def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol: float,
-                   built=None) -> float | None:
-    """Max abs error of ``mod`` against ``ref_mod`` on the same inputs; None if they agree
-    (another signature never does). An argument the reference does not write must come out
-    as it went in."""
+                   built=None) -> tuple[float | None, float]:
+    """(max abs error of ``mod`` against ``ref_mod`` on the same inputs, or None if they agree
+    (another signature never does); the seconds of ``mod``'s call). An argument the reference
+    does not write must come out as it went in."""
     import numpy as np
 
     n, ref, _ = _reference(ref_mod, ref_key, refs_dir)
-    inputs, got, _ = _run_host(mod, built=built)
+    inputs, got, secs = _run_host(mod, built=built)
     if len(got) != n:
-        return float("inf")
+        return float("inf"), secs
     worst, bad = 0.0, False
     for i, g in enumerate(got):
         r = ref.get(i, inputs[i])
         if g.shape != r.shape:
-            return float("inf")
+            return float("inf"), secs
         if g.dtype.kind != "f":
             bad = bad or not np.array_equal(g, r)
             continue
@@ -181,20 +197,19 @@ def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol:
         scale = float(np.max(np.abs(r))) if r.size else 0.0
         if not np.isfinite(g).all() or err > atol * max(1.0, scale) + rtol * scale:
             bad = True
-    return worst if bad else None
+    return (worst if bad else None), secs
 
 
-def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> tuple[str, float]:
+def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> Built:
     """Build an untuned kernel for measurement and keep its outputs as the reference its
     candidates are checked against (pool worker, host target): the kernel is compiled and run
-    once for both, not once more by the first candidate's check. Returns (the library, the
-    seconds of that run)."""
+    once for both, not once more by the first candidate's check."""
     import tvm
 
     path = _build_export(mod, target, artifact_dir)
     _, _, secs = _reference(mod, ref_key, os.path.join(artifact_dir, "references"),
                             built=tvm.runtime.load_module(path))
-    return path, secs
+    return Built(path, secs)
 
 
 def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
@@ -204,28 +219,31 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     ``run_here``: the target runs on this host, so when the measured build is the checked
     program (no weight-layout rewrite to strip) it is compiled once, exported, and the exported
     library is what the check runs (LLVM generates code once: a JIT run before the export
-    would generate it twice).
+    would generate it twice); that call's seconds come back as the build's ``once_s``.
+    Returns (the build, None) or (None, the max abs error of a wrong result).
     """
     import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     if ref_mod is None:
-        return _build_export(mod, target, artifact_dir), None
+        return Built(_build_export(mod, target, artifact_dir)), None
     refs_dir = os.path.join(artifact_dir, "references")
     if run_here:
         stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
         if _same_program(stripped, mod):
             path = _export(tvm.compile(mod, target=target), artifact_dir, target)
-            wrong = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol,
-                                   built=tvm.runtime.load_module(path))
+            wrong, secs = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol,
+                                         built=tvm.runtime.load_module(path))
             if wrong is not None:
                 _rm(path)
                 return None, wrong
-            return path, None
-    wrong = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol)
+            return Built(path, secs), None
+    # the check ran a JIT build of another program (the weights' layout rewrite kept): its
+    # call says nothing of the measured build's time
+    wrong, _ = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol)
     if wrong is not None:
         return None, wrong
-    return _build_export(mod, target, artifact_dir), None
+    return Built(_build_export(mod, target, artifact_dir)), None
 
 
 def _compile_object(mod, target, path: str) -> str:
@@ -306,7 +324,7 @@ class WarmPoolBuilder(PyBuilder):
     def build_references(self, mods: list, target, keys: list[str]) -> list[tuple[str, Any]]:
         """Build untuned kernels to run on this host, keeping each one's outputs as the
         reference under its key (:meth:`build_checked` then checks candidates against them).
-        Returns per module ("ok", (artifact path, seconds of the reference run)), ("timeout",
+        Returns per module ("ok", :class:`Built`, with the reference run's seconds), ("timeout",
         ...) or ("build_error", ...)."""
         args = [(m, target, self.artifact_dir, k) for m, k in zip(mods, keys)]
         return [self._outcome(r) for r in
@@ -325,7 +343,7 @@ class WarmPoolBuilder(PyBuilder):
         """Build each module, first checking its output against ``ref_mod``'s (or, per module,
         against ``references[i] = (ref_mod, ref_key)``).
 
-        Returns per module ("ok", artifact path), ("wrong_result", max abs error),
+        Returns per module ("ok", :class:`Built`), ("wrong_result", max abs error),
         ("timeout", message) or ("build_error", message).
         """
         out = []
@@ -333,8 +351,8 @@ class WarmPoolBuilder(PyBuilder):
         args = [(m, target, self.artifact_dir, r, rk, run_here) for m, (r, rk) in zip(mods, refs)]
         for r in self._map(_build_check_export, args):
             if r.status == StatusKind.COMPLETE:
-                path, wrong = r.value
-                out.append(("ok", path) if path else ("wrong_result", wrong))
+                built, wrong = r.value
+                out.append(("ok", built) if built else ("wrong_result", wrong))
             else:
                 out.append(self._outcome(r))
         return out
@@ -637,9 +655,11 @@ class Measurer:
         wait for the host's builds (then the next batch is taken from ``batches`` before this
         one runs); a candidate is built once, whichever device runs it. ``stop`` (a budget) is asked
         before every batch but the first runs: once it says so, nothing more runs.
-        ``known()``, asked after a batch's first pass, gives per module the best latency
-        already measured for its kernel (or None): a module over :data:`SETTLE_FACTOR` times
-        that is settled after one pass.
+        ``known()`` gives per module the best latency already known for its kernel (or None),
+        and turns on settling: a module whose output check already took over
+        :data:`PRESETTLE_FACTOR` times that (and :data:`SELF_TIMED_S` or more) is not run, and
+        after the first pass, one over :data:`SETTLE_FACTOR` times that or the best of its
+        kernel's modules in the batch is run no more.
         """
         it = iter(batches)
         # Locally, the candidates run on the cores that build: a build beside a run slows it
@@ -652,26 +672,27 @@ class Measurer:
             if job is None:
                 return None
             mods, refs, *known = job
-            return mods, (known or [None])[0], ex.submit(self._build, mods, None, "", refs) if mods else None
+            return (mods, (known or [None])[0], [key for _, key in refs] if refs else None,
+                    ex.submit(self._build, mods, None, "", refs) if mods else None)
 
         with ThreadPoolExecutor(1, thread_name_prefix="ttrank-build-ahead") as ex:
             nxt, first = start(ex), True
             while nxt is not None:
-                mods, known, fut = nxt
+                mods, known, keys, fut = nxt
                 t0 = time.time()
                 built = fut.result() if fut is not None else []
                 self.seconds["build_wait"] += time.time() - t0
                 if not first and stop is not None and stop():
                     for status, value in built:  # built ahead, never to run
                         if status == "ok":
-                            _rm(value)
+                            _rm(value.path)
                     return
                 first = False
                 if ahead:
                     nxt = start(ex)
-                    yield self._run(mods, built, known) if mods else []
+                    yield self._run(mods, built, known, keys) if mods else []
                 else:
-                    results = self._run(mods, built, known) if mods else []
+                    results = self._run(mods, built, known, keys) if mods else []
                     nxt = start(ex)
                     yield results
 
@@ -682,14 +703,17 @@ class Measurer:
             built = self.builder.build_checked(mods, self.target, reference, reference_key, references,
                                                run_here=self.spec.kind == "local")
         else:
-            built = [("ok", b.artifact_path) if not b.error_msg else
+            built = [("ok", Built(b.artifact_path)) if not b.error_msg else
                      ("timeout" if "timeout" in b.error_msg else "build_error", b.error_msg)
                      for b in self.builder.build([BuilderInput(m, self.target) for m in mods])]
         self.seconds["build"] += time.time() - t0
         return built
 
     def _run(self, mods: list, built: list[tuple[str, Any]],
-             known: Callable[[], list[float | None]] | None = None) -> list[Measurement]:
+             known: Callable[[], list[float | None]] | None = None,
+             keys: list[str] | None = None) -> list[Measurement]:
+        """Run the built modules (:meth:`measure_stream` says how ``known`` settles them;
+        ``keys``, each module's kernel, lets the batch's own first pass settle them too)."""
         from tvm.s_tir.meta_schedule.runner import RunnerInput
 
         out: list[Measurement | None] = [None] * len(mods)
@@ -702,9 +726,9 @@ class Measurer:
             if status != "ok":
                 out[i] = Measurement(None, status, str(value))
                 continue
-            inputs.append(RunnerInput(value, "cpu", _run_args(m)))
+            inputs.append(RunnerInput(value.path, "cpu", _run_args(m)))
             idx.append(i)
-            paths.append(value)
+            paths.append(value.path)
         t1 = time.time()
         secs: dict[int, list[float]] = {i: [] for i in idx}
         devices: dict[int, list[str]] = {i: [] for i in idx}
@@ -712,11 +736,24 @@ class Measurer:
         order = list(range(len(inputs)))
         rng = random.Random(len(inputs))
         lost: dict[int, str] = {}  # RPC: the device went away mid-run; the next pass retries
-        settled: set[int] = set()  # far slower than its kernel's best after one pass
+        settled: set[int] = set()  # far slower than its kernel's best: run no more
+        if known is not None:  # the output check's call was enough for some
+            for i, best in enumerate(known()):
+                once = built[i][1].once_s if i in secs else None
+                if best is not None and once is not None and once >= SELF_TIMED_S \
+                        and once > PRESETTLE_FACTOR * best:
+                    secs[i] = [once]
+                    settled.add(i)
         runs = 0
         for rnd in range(max(1, self.spec.rounds)):
             if rnd == 1 and known is not None:
+                batch_best: dict[str, float] = {}  # per kernel, this batch's first pass
+                for i in idx:
+                    if keys is not None and secs[i]:
+                        batch_best[keys[i]] = min(batch_best.get(keys[i], min(secs[i])), min(secs[i]))
                 for i, best in enumerate(known()):
+                    best = min((b for b in (best, batch_best.get(keys[i]) if keys else None)
+                                if b is not None), default=None)
                     if best is not None and secs.get(i) and min(secs[i]) > SETTLE_FACTOR * best:
                         settled.add(i)
             live = [j for j in order if idx[j] not in errors and idx[j] not in settled]
@@ -777,13 +814,13 @@ class Measurer:
         out: list[Measurement | None] = [None] * len(mods)
         rest = []
         for i, (status, value) in enumerate(built):
-            if status == "ok" and value[1] >= SELF_TIMED_S:
-                out[i] = Measurement(value[1], "ok", "", [value[1]])
-                _rm(value[0])
+            if status == "ok" and value.once_s >= SELF_TIMED_S:
+                out[i] = Measurement(value.once_s, "ok", "", [value.once_s])
+                _rm(value.path)
             else:
                 rest.append(i)
         ran = self._run([mods[i] for i in rest],
-                        [(s, v[0]) if s == "ok" else (s, v) for s, v in (built[i] for i in rest)])
+                        [built[i] for i in rest])
         for i, m in zip(rest, ran):
             out[i] = m
         return out  # type: ignore[return-value]

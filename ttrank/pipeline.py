@@ -35,7 +35,7 @@ from .space import SPACE_NETWORK, space_candidates
 from .target import cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance, target_key
 from .training import ranker_without
 from .transfer import Transferred, postprocessors, transfer
-from .tune import tune
+from .tune import TUNING_PROTOCOL, tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
 
@@ -44,6 +44,13 @@ from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_l
 # their compile times on 2 workers: 8 per batch lose 22% to that wait, 16 lose 5%), and few
 # enough that an interruption loses little (each finished batch is appended to the table)
 MEASURE_CHUNK = 16
+
+# recommend's own tuning cuts off a trial that runs this many times the kernel's best latency
+# known (per call), after at least TRIAL_TIMEOUT_FLOOR_S: MetaSchedule's space for a [40, 6625]
+# softmax (untuned 2.7 ms) holds schedules of 2.1 s a call and more, and one batch of 8 trials
+# with one of each took 54 s of a 20 s budget, 30 of them the runner's timeout.
+TRIAL_TIMEOUT_FACTOR = 10.0
+TRIAL_TIMEOUT_FLOOR_S = 3.0
 # recommend's default budget for tuning what no transferred schedule covers (seconds, all kernels)
 TUNE_MISSING_SECONDS = 120.0
 # the command line's default measuring budget: 3 minutes on 2 cores for ResNet-50
@@ -393,13 +400,17 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
     chunk = MEASURE_CHUNK
     parts: list[list] = []  # chunks handed to the measurer, not yet measured
     measured = 0
-    best: dict[str, float] = {}  # per kernel, the fastest correct latency measured so far
+    # per kernel, the fastest correct latency known so far: the untuned kernel's too, as a
+    # candidate slower than it is never chosen (_choose)
+    best: dict[str, float] = {}
 
     def note_best(k: Kernel, r: dict | None) -> None:
         if r is not None and r["status"] == "ok" and r["latency_s"]:
             best[k.name] = min(best.get(k.name, r["latency_s"]), r["latency_s"])
 
     for k in kernels:
+        if reports[k.name].untuned_s:
+            best[k.name] = reports[k.name].untuned_s
         for p in picks[k.name] or []:
             note_best(k, p.row)
 
@@ -408,8 +419,8 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
             # the slow builds first (longest first: the batch's last build then ends soonest)
             part = sorted(todo[s:s + chunk], key=lambda x: -_build_cost(x[1]))
             parts.append(part)
-            # asked after the chunk's first pass: a candidate far slower than its kernel's best
-            # so far gets no more passes (Measurer.measure_stream)
+            # a candidate far slower than its kernel's best so far is run no more (or not at
+            # all, when its output check was slow enough: Measurer.measure_stream)
             yield ([p.transferred.mod for _, p, _ in part], [(k.mod, k.workload_hash) for k, _, _ in part],
                    lambda part=part: [best.get(k.name) for k, _, _ in part])
 
@@ -503,10 +514,12 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
     plans = plan_missing(kernels, {n: r.best_s for n, r in reports.items()}, done, budget_s=budget_s)
     extra_db = None
     work = tuned_here_dir(model.name, model.layout)
-    remote = (dataclasses.replace(runner, number=3, repeat=1, min_repeat_ms=50)
+    remote = (dataclasses.replace(runner, **TUNING_PROTOCOL)
               if runner is not None and runner.kind == "rpc" else None)
     for i, plan in enumerate(plans):
         k, t_k = plan.kernel, time.time()
+        rep = reports[k.name]
+        local = RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(rep.best_s))
         progress("tuning", i + 1, len(plans), k.name)
         # small batches, so that the budget is checked often. MetaSchedule appends to the
         # database itself: a second recommend of this model waits here (the lock `ttrank
@@ -514,10 +527,9 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[k.name], trials_per_iter=8, runner=remote)
+                       only=[k.name], trials_per_iter=8, runner=remote or local)
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
-        rep = reports[k.name]
         best = min(float(x) for x in recs[0].run_secs) if recs else None
         wall = time.time() - t_k
         rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
@@ -535,6 +547,16 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
             rep.chosen = {"donor_network": "metaschedule", "donor_kernel": k.name, "record": None,
                           "rank": 0, "score": None, "latency_s": best, "method": "tuned"}
     return extra_db
+
+
+def trial_timeout_s(best_s: float | None, default_s: float = RunnerSpec.timeout_sec) -> float:
+    """How long one trial of recommend's own tuning may run locally: :data:`TRIAL_TIMEOUT_FACTOR`
+    times the kernel's best latency known, for each call of a trial, at least
+    :data:`TRIAL_TIMEOUT_FLOOR_S` (loading and arguments), at most the runner's default."""
+    if not best_s:
+        return default_s
+    calls = 1 + TUNING_PROTOCOL["number"]  # the evaluator's warm-up call, then the timed ones
+    return min(default_s, max(TRIAL_TIMEOUT_FLOOR_S, TRIAL_TIMEOUT_FACTOR * calls * best_s))
 
 
 def _latencies(chosen: dict, reports: dict[str, KernelReport]) -> dict[str, float]:

@@ -160,9 +160,10 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     instead of choosing them again by leave-one-out: a minute instead of a quarter of an hour,
     for a bounded budget such as ``adapt``'s."""
     out = Path(out) if out is not None else locations.shipped_ranker()
-    store = store or DonorStore.load()
     dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
-    ds = ds if ds is not None else build_dataset(dirs, store)
+    if ds is None:
+        store = store or DonorStore.load()
+        ds = build_dataset(dirs, store)
     if not ds.groups:
         raise TTRankError("no training data: no measurement table with at least two measured "
                           "candidates per kernel (collect some: ttrank collect NETWORK)")
@@ -185,6 +186,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     stage2 = None
     if programs and len(ds.networks) >= 2:
         target = target if target is not None else make_target()
+        store = store or DonorStore.load()  # loading it takes seconds: only when needed
         work_dirs = [Path(r.work_dir) for r in store.reports]
         cost = loo_cost_scores(ds, store, target, work_dirs)
         stage2 = choose_stage2(ds, results[report["config"]]["scores"], cost)

@@ -250,7 +250,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     # would leave the pool's lock held and the process hung (ttrank.util)
     with stop_at_safe_points():
         builder = WarmPoolBuilder(timeout_sec=build_timeout_sec)
-        runner = runner or RunnerSpec(cache_flush=False, repeat=1, number=3, min_repeat_ms=50)
+        runner = runner or RunnerSpec(**TUNING_PROTOCOL)
         machine, made = None, None
         if isinstance(runner, RunnerSpec):
             machine = runner.provenance(target)
@@ -340,6 +340,11 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             if hasattr(made, "close"):  # the fleet runner made here: its worker pool
                 made.close()
     return progress
+
+
+# How tuning runs time a trial: MetaSchedule's own protocol (3 calls of at least 50 ms in all,
+# warm caches), so that donor records from any run compare directly.
+TUNING_PROTOCOL = {"cache_flush": False, "repeat": 1, "number": 3, "min_repeat_ms": 50}
 
 
 def search_strategy(batch: int):
