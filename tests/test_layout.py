@@ -23,10 +23,11 @@ from ttrank.workdir import read_manifest
 
 @pytest.fixture(scope="module")
 def packed_donors(tiny_cnn, tmp_path_factory) -> Path:
-    """Donors tuned in the packed layout: only tiny_cnn's packed convs, a few trials each."""
+    """Donors tuned in the packed layout: one of tiny_cnn's dense packed convs (its schedules are
+    every dense packed conv's candidates) and its depthwise one, a few trials each."""
     out = tmp_path_factory.mktemp("packed") / "tiny_cnn@nchwc"  # a donor set of network tiny_cnn
-    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(out),
-                 "--trials-per-task", "6", "--only", "NCHWc", "--no-progress"]) == 0
+    assert main(["tune", str(tiny_cnn), "--layout", "nchwc", "--out", str(out), "--trials-per-task", "6",
+                 "--only", "fused_conv2d_NCHWc1_add_relu", "fused_depthwise_conv2d_NCHWc", "--no-progress"]) == 0
     return out
 
 

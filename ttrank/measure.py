@@ -6,6 +6,7 @@ objects serve ``ttrank tune`` (inside MetaSchedule's search) and candidate measu
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -56,6 +57,46 @@ SELF_TIMED_S = 0.05
 # for a [40, 6625] softmax holds schedules 800x slower than the untuned kernel (2.1 s a call,
 # recomputing each row's sum per element), which the runner called 3 times a pass.
 PRESETTLE_FACTOR = 4.0
+
+# Worker pools outlive the builder or runner that asked for them, shared by every later one with
+# the same settings in this process: each worker imports TVM as it starts (4 s for the builder's
+# two and 7 s for the two local runners' on a 2-core Zen 1), which a library caller running
+# recommend on model after model, or a test suite, paid again for every run. Local runners that
+# differ only in their timeout (recommend's own tuning scales it per kernel) are few at once: the
+# least recently used beyond SHARED_RUNNERS are dropped (their worker exits with its last user).
+SHARED_RUNNERS = 4
+_SHARED_POOLS: dict[tuple, PopenPoolExecutor] = {}
+_SHARED_RUNNERS: dict[tuple, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_pool(max_workers: int, timeout_sec: float) -> PopenPoolExecutor:
+    with _SHARED_LOCK:
+        key = (max_workers, timeout_sec)
+        if key not in _SHARED_POOLS:
+            _SHARED_POOLS[key] = PopenPoolExecutor(max_workers=max_workers, timeout=timeout_sec)
+        return _SHARED_POOLS[key]
+
+
+def _shared_runner(key: tuple, make: Callable[[], Any]) -> Any:
+    with _SHARED_LOCK:
+        runner = _SHARED_RUNNERS.pop(key, None) or make()
+        _SHARED_RUNNERS[key] = runner  # the most recently used last
+        while len(_SHARED_RUNNERS) > SHARED_RUNNERS:
+            _SHARED_RUNNERS.pop(next(iter(_SHARED_RUNNERS)))
+        return runner
+
+
+@atexit.register
+def _shut_shared_pools() -> None:
+    with _SHARED_LOCK:
+        pools = [*_SHARED_POOLS.values(), *(r.pool for r in _SHARED_RUNNERS.values())]
+        _SHARED_POOLS.clear()
+        _SHARED_RUNNERS.clear()
+    for pool in pools:
+        with contextlib.suppress(Exception):
+            pool.shutdown()
+
 
 # Test hook: a build whose module has this attribute sleeps, to prove timeouts work.
 HANG_ATTR = "ttrank.test_hang_seconds"
@@ -274,11 +315,12 @@ def _same_program(a, b) -> bool:
 
 @derived_object
 class WarmPoolBuilder(PyBuilder):
-    """A MetaSchedule builder whose worker processes live for the whole session.
+    """A MetaSchedule builder whose worker processes live for the whole process.
 
     MetaSchedule's LocalBuilder starts a new pool for every batch; each worker then imports
-    the tensor intrinsics (~30 s here). This pool starts once, and a per-candidate timeout kills
-    (and replaces) only a worker whose build hangs.
+    the tensor intrinsics (~30 s here). This pool starts once, is shared by every builder of
+    the same size and timeout (:func:`_shared_pool`), and a per-candidate timeout kills (and
+    replaces) only a worker whose build hangs.
     """
 
     def __init__(self, max_workers: int | None = None, timeout_sec: float = 60.0,
@@ -310,7 +352,7 @@ class WarmPoolBuilder(PyBuilder):
     def pool(self) -> PopenPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec)
+                self._pool = _shared_pool(self.max_workers, self.timeout_sec)
             return self._pool
 
     def build(self, build_inputs: list[BuilderInput]) -> list[BuilderResult]:
@@ -375,9 +417,8 @@ class WarmPoolBuilder(PyBuilder):
             f.result()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        """Remove this builder's artifacts; the shared workers stay for the next builder."""
+        self._pool = None
         shutil.rmtree(self.artifact_dir, ignore_errors=True)
 
 
@@ -447,9 +488,11 @@ class RunnerSpec:
         under the key at once (:class:`ttrank.fleet.FleetRunner`)."""
         from tvm.s_tir.meta_schedule.runner import LocalRunner
 
-        if self.kind == "local":
-            return LocalRunner(timeout_sec=self.timeout_sec, evaluator_config=self.evaluator_config(),
-                               f_alloc_argument=alloc_in_bounds)
+        if self.kind == "local":  # one per settings in this process (_shared_runner)
+            return _shared_runner(
+                ("local", self.timeout_sec, self.number, self.repeat, self.min_repeat_ms, self.cache_flush),
+                lambda: LocalRunner(timeout_sec=self.timeout_sec, evaluator_config=self.evaluator_config(),
+                                    f_alloc_argument=alloc_in_bounds))
         if self.kind == "rpc":
             return FleetRunner(self.tracker(), self.evaluator_config(),
                                session_timeout_s=self.timeout_sec, device_wait_s=self.device_wait_s)

@@ -9,6 +9,7 @@ only wires them, keeps the per-kernel report and replaces the outputs as one ste
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -556,7 +557,8 @@ def trial_timeout_s(best_s: float | None, default_s: float = RunnerSpec.timeout_
     if not best_s:
         return default_s
     calls = 1 + TUNING_PROTOCOL["number"]  # the evaluator's warm-up call, then the timed ones
-    return min(default_s, max(TRIAL_TIMEOUT_FLOOR_S, TRIAL_TIMEOUT_FACTOR * calls * best_s))
+    # whole seconds: a local runner is kept per timeout (ttrank.measure._shared_runner)
+    return min(default_s, max(TRIAL_TIMEOUT_FLOOR_S, math.ceil(TRIAL_TIMEOUT_FACTOR * calls * best_s)))
 
 
 def _latencies(chosen: dict, reports: dict[str, KernelReport]) -> dict[str, float]:
