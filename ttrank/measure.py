@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -790,14 +791,14 @@ class Measurer:
         runs = 0
         for rnd in range(max(1, self.spec.rounds)):
             if rnd == 1 and known is not None:
-                batch_best: dict[str, float] = {}  # per kernel, this batch's first pass
-                for i in idx:
-                    if keys is not None and secs[i]:
-                        batch_best[keys[i]] = min(batch_best.get(keys[i], min(secs[i])), min(secs[i]))
+                mins = {i: min(s) for i, s in secs.items() if s}
+                batch_best: dict = {}  # per kernel (each module its own without keys), this pass
+                for i, m in mins.items():
+                    kernel = keys[i] if keys else i
+                    batch_best[kernel] = min(batch_best.get(kernel, m), m)
                 for i, best in enumerate(known()):
-                    best = min((b for b in (best, batch_best.get(keys[i]) if keys else None)
-                                if b is not None), default=None)
-                    if best is not None and secs.get(i) and min(secs[i]) > SETTLE_FACTOR * best:
+                    if i in mins and mins[i] > SETTLE_FACTOR * min(batch_best[keys[i] if keys else i],
+                                                                   best if best is not None else math.inf):
                         settled.add(i)
             live = [j for j in order if idx[j] not in errors and idx[j] not in settled]
             if not live:

@@ -520,7 +520,6 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
     for i, plan in enumerate(plans):
         k, t_k = plan.kernel, time.time()
         rep = reports[k.name]
-        local = RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(rep.best_s))
         progress("tuning", i + 1, len(plans), k.name)
         # small batches, so that the budget is checked often. MetaSchedule appends to the
         # database itself: a second recommend of this model waits here (the lock `ttrank
@@ -528,7 +527,8 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[k.name], trials_per_iter=8, runner=remote or local)
+                       only=[k.name], trials_per_iter=8,
+                       runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(rep.best_s)))
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
         best = min(float(x) for x in recs[0].run_secs) if recs else None
