@@ -198,6 +198,12 @@ def test_recommend_reports_what_more_time_would_buy(trained, donor_dir, tiny_cnn
     assert res.provenance["policy"]["policy"] == "AdaptiveK"
     assert all(len(k.measured) <= k.k + len(k.beside) and k.k <= k.top_k <= 3
                for k in res.kernels if k.candidates)
+    # two kernels of one conv (other epilogues): the lighter measures only the heavier's fastest
+    sibling = next(k for k in res.kernels if k.sibling_of)
+    lead = next(k for k in res.kernels if k.name == sibling.sibling_of)
+    assert lead.weight * lead.untuned_s >= sibling.weight * sibling.untuned_s and not lead.sibling_of
+    fastest = min((m for m in lead.measured if m["status"] == "ok"), key=lambda m: m["latency_s"])
+    assert [m["donor"] for m in sibling.measured] == [fastest["donor"]] and sibling.k == 1
     json.dumps(res.to_json())
 
 

@@ -465,7 +465,7 @@ def _print_report(con, res) -> None:
     for k in sorted(res.kernels, key=lambda k: -(k.untuned_s or 0) * k.weight):
         ch = k.chosen or {}
         sp = (k.untuned_s / ch["latency_s"]) if ch and k.untuned_s and ch.get("latency_s") else None
-        note = k.why or ""
+        note = k.why or (f"the fastest of {k.sibling_of} (same anchor op)" if k.sibling_of else "")
         if k.rejections:
             note = (note + "; " if note else "") + f"{len(k.rejections)} rejected: " + \
                 "; ".join(sorted({r[1].split(':')[0] for r in k.rejections}))

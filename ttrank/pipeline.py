@@ -29,7 +29,8 @@ from .kernels import Kernel, model_kernels
 from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
-from .ranking import Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, shortlist
+from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, same_anchor,
+                      shortlist)
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
 from .space import SPACE_NETWORK, space_candidates
@@ -54,6 +55,11 @@ TRIAL_TIMEOUT_FACTOR = 10.0
 TRIAL_TIMEOUT_FLOOR_S = 3.0
 # recommend's default budget for tuning what no transferred schedule covers (seconds, all kernels)
 TUNE_MISSING_SECONDS = 120.0
+# candidates measured for a kernel whose anchor computation (a conv, a matmul) a heavier kernel of
+# the model shares, fused with another epilogue: the heavier one's fastest. Such siblings rank the
+# same schedules the same: R18 on znver1, 22 schedules measured on both of a pair ran within 0-8%
+# of each other (median 1%), and 3 of the 4 pairs chose the same schedule.
+SIBLING_K = 1
 # the command line's default measuring budget: 3 minutes on 2 cores for ResNet-50
 MEASURE_SECONDS = 120.0
 
@@ -79,6 +85,7 @@ class KernelReport:
     k: int = 0  # how many the policy chose to measure (the ranker's confidence, the share)
     beside: list = field(default_factory=list)  # record ids measured besides the k (a schedule
     # tuned on this CPU that the ranker left out)
+    sibling_of: str = ""  # the heavier kernel of the same anchor whose fastest candidates it measured
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -289,22 +296,55 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
     phases["measuring_untuned"] = round(time.time() - t, 2)
     t = time.time()
-    picks, shares = {}, {}
+    picks: dict[str, list[Pick] | None] = {}
+    shares: dict[str, float] = {}
+    leads = _sibling_leads(kernels, reports, ranked)
+    first = [k for k in kernels if k.name not in leads]
     postprocessors(target)  # initialised once, before the threads share them
-    # a transfer is TVM's C++ (replay, postprocessors, features; the GIL is released): the
-    # kernels' shortlists are independent, so one thread per core transfers them
-    with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
-        lists = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
-                                            stage2, cached, target), kernels)
-        for k, (picks[k.name], shares[k.name]) in zip(kernels, lists):
-            progress("transferring", len(picks), len(kernels), k.name)
+
+    def lists(ks: list[Kernel]) -> None:
+        # a transfer is TVM's C++ (replay, postprocessors, features; the GIL is released): the
+        # kernels' shortlists are independent, so one thread per core transfers them
+        with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
+            made = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
+                                               stage2, cached, target), ks)
+            for k, (picks[k.name], shares[k.name]) in zip(ks, made):
+                progress("transferring", len(picks), len(kernels), k.name)
+
+    lists(first)
     phases["transferring"] = round(time.time() - t, 2)
     anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
-    fresh, unmeasured = _measure_picks(model.name, kernels, picks, shares, measurer, table, reports,
-                                       stamp, budget_s, t0, progress,
-                                       lambda fresh, n: anytime.append(
-                                           _anytime_point("measuring", t_start, kernels, picks, fresh,
-                                                          reports, n)))
+    fresh: dict[int, dict] = {}  # row by id(pick), of both phases
+    counts = {"measured": 0, "left": 0}
+
+    def measure(ks: list[Kernel], budget: float | None) -> None:
+        def on_batch(new: dict[int, dict], n: int) -> None:
+            anytime.append(_anytime_point("measuring", t_start, kernels, picks, {**fresh, **new}, reports,
+                                          counts["measured"] + n))
+        todo = sum(1 for k in ks for p in picks[k.name] or [] if p.row is None)
+        new, left = _measure_picks(model.name, ks, picks, shares, measurer, table, reports, stamp, budget,
+                                   t0, progress, on_batch)
+        fresh.update(new)
+        counts["measured"] += todo - left
+        counts["left"] += left
+
+    measure(first, budget_s)
+    # then each sibling measures its lead's fastest (one candidate each, even past the budget:
+    # without it the kernel would stay untuned), or its own shortlist when the lead has none
+    t = time.time()
+    siblings = [k for k in kernels if k.name in leads]
+    orphans = []
+    for k in siblings:
+        got = _sibling_picks(k, leads[k.name], picks[leads[k.name].name], fresh, reports[k.name], shares,
+                             reports, cached, target)
+        if got:
+            picks[k.name] = got
+        else:
+            orphans.append(k)
+    lists(orphans)
+    phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
+    measure(siblings, None if not orphans else budget_s)
+    unmeasured = counts["left"]
     chosen = {k.name: t for k in kernels
               if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
     return chosen, unmeasured, anytime
@@ -364,6 +404,46 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
                       known, rep.rejections, [c for c in also if c is not None])
     rep.beside = [p.candidate.record.id for p in picks if p.beside]
     return picks, share
+
+
+def _sibling_leads(kernels: list[Kernel], reports: dict[str, KernelReport],
+                   ranked: dict[str, list[Candidate]]) -> dict[str, Kernel]:
+    """For each kernel whose anchor computation a heavier kernel of the model shares (the same
+    conv, other epilogue: :func:`ttrank.ranking.same_anchor`), that heavier one (the group's
+    largest weight x untuned latency), whose measurements choose its candidates."""
+    leads: dict[str, Kernel] = {}
+    heads: list[Kernel] = []
+    by_share = sorted((k for k in kernels if ranked.get(k.name)),
+                      key=lambda k: -(k.weight * (reports[k.name].untuned_s or 0.0)))
+    for k in by_share:
+        head = next((h for h in heads if same_anchor(h, k)), None)
+        if head is None:
+            heads.append(k)
+        else:
+            leads[k.name] = head
+    return leads
+
+
+def _sibling_picks(k: Kernel, lead: Kernel, lead_picks: list[Pick] | None, rows: dict[int, dict],
+                   rep: KernelReport, shares: dict[str, float], reports: dict[str, KernelReport],
+                   cached: dict, target) -> list[Pick] | None:
+    """``k``'s picks: the fastest :data:`SIBLING_K` of its lead's measured candidates, moved onto
+    ``k``; none when the lead measured none that ran (then ``k`` takes its own shortlist)."""
+    ok = sorted(((r["latency_s"], i, p) for i, p in enumerate(lead_picks or [])
+                 if (r := p.row or rows.get(id(p))) is not None and r["status"] == "ok" and r["latency_s"]),
+                key=lambda x: x[:2])
+    if not ok:
+        return None
+    total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
+    shares[k.name] = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
+    rep.sibling_of = lead.name
+    rep.top_k = rep.k = SIBLING_K
+
+    def known(c: Candidate) -> dict | None:
+        r = cached.get((k.workload_hash, c.record.id))
+        return r if r is not None and is_current(r, c.record) else None
+
+    return shortlist(k, [p.candidate for _, _, p in ok], SIBLING_K, target, None, known, rep.rejections)
 
 
 def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelReport]) -> float:
