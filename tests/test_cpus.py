@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -207,3 +208,28 @@ def test_a_refit_on_rows_of_avx2_and_avx512_cpus_learns_the_cpu_features(tmp_pat
     train([tmp_path], out=tmp_path / "mixed.json", ds=Dataset(ds.X, ds.y, ds.groups, meta), like=like,
           programs=False)
     assert Ranker.load(tmp_path / "mixed.json").feature_groups == (*like.feature_groups, "c")
+
+
+def test_collect_measures_donors_tuned_on_other_cpus(donor_dir, tmp_path):
+    """A new CPU has no donor tuned on it: collect measures the donors of every CPU on it (as
+    recommend ranks them), so the ranker learns how they fare there."""
+    from ttrank.cli import main
+
+    elsewhere = tmp_path / "tiny_resnet@skylake"
+    shutil.copytree(donor_dir, elsewhere)
+    records = elsewhere / "database_tuning_record.json"
+    lines = []
+    for line in records.read_text().splitlines():
+        wl, (trace, secs, tgt, args) = json.loads(line)
+        lines.append(json.dumps([wl, [trace, secs, {**tgt, "mcpu": "skylake-avx512"}, args]]))
+    records.write_text("\n".join(lines) + "\n")
+    cmd = ["collect", "tiny_cnn", "--donors", str(elsewhere), "--max-per-kernel", "1", "--repeat", "1",
+           "--rounds", "1", "--no-paper", "--quiet"]
+    assert main([*cmd, "--out", str(tmp_path / "all")]) == 0
+    rows = [json.loads(l) for l in (tmp_path / "all" / "tiny_cnn.jsonl").read_text().splitlines()]
+    measured = [r for r in rows if r["record"] != collect.UNTUNED]
+    assert measured and all(r["record"].startswith("tiny_resnet@skylake/") for r in measured)
+    # the old behaviour on request: only this very target's donors (none here)
+    assert main([*cmd, "--out", str(tmp_path / "same"), "--same-target-only"]) == 0
+    rows = [json.loads(l) for l in (tmp_path / "same" / "tiny_cnn.jsonl").read_text().splitlines()]
+    assert all(r["record"] == collect.UNTUNED for r in rows)

@@ -549,7 +549,9 @@ def cmd_collect(args) -> int:
     con = _console()
     runner = _runner_spec(args, repeat=max(1, args.repeat // args.rounds), rounds=args.rounds)
     target = _make_target(args, runner)
-    store = donors.DonorStore.load(args.donors or None, target=target)
+    # every donor, whatever CPU it was tuned on, as recommend ranks them: rows of only this CPU's
+    # own donors would never teach the ranker how schedules from other CPUs fare here
+    store = donors.DonorStore.load(args.donors or None, target=target if args.same_target_only else None)
     measurer = Measurer(target, runner)
     busy = machine_busy()
     # these latencies become training labels: say so, the rows record the load too (a fleet's
@@ -741,6 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--target", default=None,
                     help="TVM target (JSON or command-line form; default: this host, or with "
                          "--rpc-tracker what the devices report)")
+    co.add_argument("--same-target-only", action="store_true",
+                    help="sample only donor records tuned for this exact target (default: any CPU's, "
+                         "as recommend ranks them)")
     co.add_argument("--no-paper", action="store_true",
                     help="skip the paper baseline (the paired donor network's exact-class schedules)")
     co.add_argument("--layout", choices=list(LAYOUTS), default="nchw",
