@@ -6,17 +6,21 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from ttrank import collect, donors
+from ttrank.cli import main
 from ttrank.collect import Dataset
 from ttrank.errors import RankerError
 from ttrank.evaluate import leave_one_cpu_out, per_cpu
 from ttrank.features import CPU_NAMES, FEATURE_NAMES, cpu_features
 from ttrank.ranker import Ranker, meta_path
-from ttrank.target import cpu_description, host_mcpu, provenance
+from ttrank.target import cpu_busy_now, cpu_description, host_mcpu, provenance
 
 
 def test_cpu_facts_come_from_llvm_for_any_cpu_name(capfd):
@@ -213,8 +217,6 @@ def test_a_refit_on_rows_of_avx2_and_avx512_cpus_learns_the_cpu_features(tmp_pat
 def test_collect_measures_donors_tuned_on_other_cpus(donor_dir, tmp_path):
     """A new CPU has no donor tuned on it: collect measures the donors of every CPU on it (as
     recommend ranks them), so the ranker learns how they fare there."""
-    from ttrank.cli import main
-
     elsewhere = tmp_path / "tiny_resnet@skylake"
     shutil.copytree(donor_dir, elsewhere)
     records = elsewhere / "database_tuning_record.json"
@@ -233,3 +235,13 @@ def test_collect_measures_donors_tuned_on_other_cpus(donor_dir, tmp_path):
     assert main([*cmd, "--out", str(tmp_path / "same"), "--same-target-only"]) == 0
     rows = [json.loads(l) for l in (tmp_path / "same" / "tiny_cnn.jsonl").read_text().splitlines()]
     assert all(r["record"] == collect.UNTUNED for r in rows)
+
+
+def test_busy_means_work_running_now_not_a_minute_ago():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        assert cpu_busy_now() >= 0.7  # one spinning process holds about one logical CPU
+    finally:
+        spin.kill()
+        spin.wait()

@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from functools import lru_cache
@@ -169,11 +170,38 @@ def load_average() -> float | None:
         return None
 
 
+def cpu_busy_now(window_s: float = 0.3) -> float | None:
+    """How many cores' worth of work ran in the last ``window_s`` seconds (Linux /proc/stat),
+    or None where that cannot be read."""
+    def sample() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(ticks), ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # all, idle + iowait
+
+    a = sample()
+    time.sleep(window_s)
+    b = sample()
+    if a is None or b is None or b[0] <= a[0]:
+        return None
+    return (os.cpu_count() or 1) * (1.0 - (b[1] - a[1]) / (b[0] - a[0]))
+
+
 def machine_busy(threshold: float = 0.5) -> str | None:
-    """Why measuring now would be noisy (other work holding the cores), or None."""
-    load, cores = load_average(), host_cores()
-    if load is not None and load > threshold * cores:
-        return f"the machine is busy (1-minute load {load:.1f} on {cores} cores)"
+    """Why measuring now would be noisy (other work holding the cores), or None. The cores'
+    work of the last 0.3 s counts, not the 1-minute load average: that one still holds a
+    job that ended a minute ago (each collect of a network warned of its predecessor)."""
+    cores = host_cores()
+    busy = cpu_busy_now()
+    if busy is None:  # no /proc/stat: the load average is all there is
+        load = load_average()
+        if load is not None and load > threshold * cores:
+            return f"the machine is busy (1-minute load {load:.1f} on {cores} cores)"
+        return None
+    if busy > threshold * cores:
+        return f"the machine is busy ({busy:.1f} of {os.cpu_count() or 1} logical CPUs at work now)"
     return None
 
 

@@ -214,7 +214,9 @@ def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: 
     params = like.get_params()
     if "c" not in params["feature_groups"] and len(data_vector_classes(ds)) > 1:
         params["feature_groups"] = (*params["feature_groups"], "c")
-    report.update(config=config_label(params), objective=params["objective"], refit_like=str(like.path),
+    # which ranker it copied, by content (its path is one machine's)
+    copied = {k: like.metadata.get(k) for k in ("date", "model_sha256", "training_rows")}
+    report.update(config=config_label(params), objective=params["objective"], refit_like=copied,
                   top_k=like.metadata.get("top_k") or 3, leave_one_network_out=None)
     stage2 = like.metadata.get("stage2")
     if stage2 and stage2.get("enabled") and like.path is not None:
