@@ -33,6 +33,42 @@ def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):
                                            "run_error", "timeout"}
 
 
+class _Recorder:
+    """A measurer that runs nothing: it records which kernel each candidate of each batch is of
+    (what collect hands out, and in what order)."""
+
+    spec = None
+
+    def __init__(self):
+        self.order: list[str] = []
+
+    def baseline(self):
+        return self
+
+    def measure(self, mods, **kw):
+        return [measure.Measurement(1.0, "ok") for _ in mods]
+
+    def measure_stream(self, batches, stop=None):
+        for mods, refs in batches:
+            self.order += [key for _, key in refs]
+            yield [measure.Measurement(1e-3, "ok") for _ in mods]
+
+
+def test_collect_covers_every_kernel_before_it_deepens_any(donor_dir, tiny_cnn, target, tmp_path):
+    rec = _Recorder()
+    stats = collect.collect("tiny_cnn", frontend.load(tiny_cnn), donors.DonorStore.load([donor_dir]), tmp_path,
+                            target, rec, max_per_kernel=8, records_per_donor=5, batch=4)
+    assert stats.measured == len(rec.order)
+    seen: dict[str, int] = {}
+    deeper = None  # where the first kernel got its (PASS+1)-th candidate
+    for pos, key in enumerate(rec.order):
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > collect.PASS and deeper is None:
+            deeper = pos
+    assert deeper is not None and len(seen) >= 3
+    assert all(rec.order.index(key) < deeper for key in seen)
+
+
 def test_rows_from_another_cpu_are_measured_again(measurements, donor_dir, tiny_cnn, target, tmp_path):
     # the same table, as if collected on another CPU: nothing in it counts as done here
     rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]

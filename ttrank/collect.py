@@ -38,6 +38,11 @@ from .util import STOP_REQUESTED, append_jsonl, read_jsonl, stop_at_safe_points
 log = logging.getLogger("ttrank")
 
 
+# candidates per kernel per pass of collect: every kernel gets a group of this many (the ranker
+# learns from the order within a group) before any kernel gets more
+PASS = 4
+
+
 @dataclass
 class CollectStats:
     network: str
@@ -178,7 +183,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     t0 = time.time()
     exclude = {network} if exclude_self else set()
     baseline = measurer.baseline()
-    jobs: list[tuple[int, Kernel, list]] = []  # batches handed out, not yet measured
+    jobs: list[list[tuple[int, Kernel, list]]] = []  # batches handed out, not yet measured
 
     def over_budget() -> bool:
         if budget_s is not None and time.time() - t0 > budget_s:
@@ -186,11 +191,14 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
         return stats.stopped_by_budget or STOP_REQUESTED.is_set()  # or a Ctrl-C (util)
 
     def batches():
-        """Each kernel's untuned baseline, then its candidates in batches (transferred here,
-        built by the measurer ahead of the batch that runs)."""
+        """Each kernel's untuned baseline, then passes over the kernels: a pass gives every kernel
+        its next :data:`PASS` candidates, so a budget covers every kernel (each a group the ranker
+        learns from) before it deepens any; batches of about ``batch`` candidates, transferred
+        here, built by the measurer ahead of the batch that runs."""
+        todos = []
         for i, k in enumerate(kernels):
             if over_budget():
-                return
+                break
             if k.workload_hash not in untuned:
                 m = baseline.measure([k.mod])[0]
                 untuned[k.workload_hash] = m.latency_s
@@ -200,29 +208,45 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
             paper = [] if paper_donor == network else paper_pairs(k, store, paper_donor)
             todo += [(w, r, "tvm") for w, r in paper if (k.workload_hash, f"{r.id}@tvm") not in done]
             stats.skipped_existing += len(pairs) + len(paper) - len(todo)
-            for s in range(0, len(todo), batch):
+            todos.append((i, k, todo))
+        job: list[tuple[int, Kernel, list]] = []
+        for s in range(0, max((len(t) for _, _, t in todos), default=0), PASS):
+            for i, k, todo in todos:
+                if not todo[s:s + PASS]:
+                    continue
                 if over_budget():
                     return
                 cands = []
                 for adapt in ("ttrank", "tvm"):
-                    part = [(w, r) for w, r, a in todo[s:s + batch] if a == adapt]
+                    part = [(w, r) for w, r, a in todo[s:s + PASS] if a == adapt]
                     cands += transfer_pairs(k, part, target, adapt) if part else []
-                jobs.append((i, k, cands))
-                valid = [c for c in cands if c.ok]
-                yield [c.mod for c in valid], [(k.mod, k.workload_hash)] * len(valid)
+                job.append((i, k, cands))
+                if sum(len(c) for _, _, c in job) >= batch:
+                    yield start(job)
+                    job = []
+        if job and not over_budget():
+            yield start(job)
+
+    def start(job: list[tuple[int, Kernel, list]]) -> tuple[list, list]:
+        jobs.append(job)
+        valid = [(k, c) for _, k, cands in job for c in cands if c.ok]
+        return [c.mod for _, c in valid], [(k.mod, k.workload_hash) for k, _ in valid]
 
     for results in measurer.measure_stream(batches()):
-        i, k, cands = jobs.pop(0)
-        rows = candidate_rows(k, cands, results, network, untuned[k.workload_hash], prov)
-        append_jsonl(table, rows)
-        for r in rows:
-            done.add(measurement_key(r))
-            stats.measured += 1
-            stats.valid += r["status"] == "ok"
-            stats.wrong += r["status"] == "wrong_result"
-            stats.rejected += r["status"] not in ("ok", "wrong_result")
-        if on_progress:
-            on_progress(stats, i)
+        job = jobs.pop(0)
+        for i, k, cands in job:
+            n = sum(1 for c in cands if c.ok)
+            rows = candidate_rows(k, cands, results[:n], network, untuned[k.workload_hash], prov)
+            results = results[n:]
+            append_jsonl(table, rows)
+            for r in rows:
+                done.add(measurement_key(r))
+                stats.measured += 1
+                stats.valid += r["status"] == "ok"
+                stats.wrong += r["status"] == "wrong_result"
+                stats.rejected += r["status"] not in ("ok", "wrong_result")
+            if on_progress:
+                on_progress(stats, i)
     return stats
 
 
