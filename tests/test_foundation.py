@@ -262,8 +262,16 @@ def test_a_busy_machine_is_noticed_and_recorded(monkeypatch):
 
     from ttrank import target as tg
 
+    # the cores' work right now decides; the load average is recorded with every row
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 1.0, 1.0))
+    monkeypatch.setattr(tg, "cpu_busy_now", lambda: 2.0 * tg.host_cores())
     assert "busy" in tg.machine_busy() and tg.provenance()["load_1m"] == 4.0
+    # a job that ended a minute ago still holds the load average, not the cores
+    monkeypatch.setattr(tg, "cpu_busy_now", lambda: 0.05)
+    assert tg.machine_busy() is None
+    # where the cores' work cannot be read, the load average is all there is
+    monkeypatch.setattr(tg, "cpu_busy_now", lambda: None)
+    assert "busy" in tg.machine_busy()
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
     assert tg.machine_busy() is None
 
