@@ -84,17 +84,6 @@ def sample_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
     return (best + rest)[:max_per_kernel]
 
 
-def measure_kernel(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], measurer,
-                   target, network: str, untuned_s: float | None, prov: dict,
-                   adapt: str = "ttrank") -> list[dict]:
-    """Transfer and measure each pair on ``kernel``; one row per pair."""
-    cands = transfer_pairs(kernel, pairs, target, adapt)
-    valid = [c for c in cands if c.ok]
-    results = measurer.measure([c.mod for c in valid], reference=kernel.mod,
-                               reference_key=kernel.workload_hash) if valid else []
-    return candidate_rows(kernel, cands, results, network, untuned_s, prov)
-
-
 def transfer_pairs(kernel: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]], target,
                    adapt: str = "ttrank") -> list:
     return [transfer(r, kernel, w, target, adapt=adapt) for w, r in pairs]

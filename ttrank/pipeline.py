@@ -332,18 +332,18 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     # then each sibling measures its lead's fastest (one candidate each, even past the budget:
     # without it the kernel would stay untuned), or its own shortlist when the lead has none
     t = time.time()
-    siblings = [k for k in kernels if k.name in leads]
-    orphans = []
-    for k in siblings:
-        got = _sibling_picks(k, leads[k.name], picks[leads[k.name].name], fresh, reports[k.name], shares,
-                             reports, cached, target)
+    shared, orphans = [], []
+    for k in (k for k in kernels if k.name in leads):
+        got = _sibling_picks(k, leads[k.name], picks[leads[k.name].name], fresh, shares, reports, cached, target)
         if got:
             picks[k.name] = got
+            shared.append(k)
         else:
             orphans.append(k)
     lists(orphans)
     phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
-    measure(siblings, None if not orphans else budget_s)
+    measure(shared, None)
+    measure(orphans, budget_s)
     unmeasured = counts["left"]
     chosen = {k.name: t for k in kernels
               if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
@@ -371,8 +371,7 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
                ) -> tuple[list[Pick] | None, float]:
     """The kernel's candidates to measure (as many as ``policy`` gives it for the ranker's
     scores and its share of the untuned model), and that share; None when it has no candidate."""
-    total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
-    share = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
+    share = _share(k, reports)
     rep.top_k = policy.bound(share)
     if not ranked:
         rep.why = "no compatible donor schedule"
@@ -384,14 +383,6 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
             return None, 0.0
     rep.k = policy.k([c.score for c in ranked], share)
 
-    def known(c: Candidate) -> dict | None:  # measured by an earlier run: counts, not again
-        r = cached.get((k.workload_hash, c.record.id))
-        if r is None or not is_current(r, c.record):
-            return None
-        if r["status"] != "ok":
-            rep.rejections.append((c.record.id, r.get("reason", r["status"])))
-        return r
-
     # a schedule tuned on this very CPU (else on one of its vector class) is measured too, when
     # the ranker (which learned mostly on other CPUs) did not put it among the k: on znver3
     # (AVX2), a conv natively tuned for 128 trials ran 1.8 ms where schedules from AVX-512
@@ -401,7 +392,7 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
     picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
-                      known, rep.rejections, [c for c in also if c is not None])
+                      _known(k, cached, rep), rep.rejections, [c for c in also if c is not None])
     rep.beside = [p.candidate.record.id for p in picks if p.beside]
     return picks, share
 
@@ -425,8 +416,8 @@ def _sibling_leads(kernels: list[Kernel], reports: dict[str, KernelReport],
 
 
 def _sibling_picks(k: Kernel, lead: Kernel, lead_picks: list[Pick] | None, rows: dict[int, dict],
-                   rep: KernelReport, shares: dict[str, float], reports: dict[str, KernelReport],
-                   cached: dict, target) -> list[Pick] | None:
+                   shares: dict[str, float], reports: dict[str, KernelReport], cached: dict,
+                   target) -> list[Pick] | None:
     """``k``'s picks: the fastest :data:`SIBLING_K` of its lead's measured candidates, moved onto
     ``k``; none when the lead measured none that ran (then ``k`` takes its own shortlist)."""
     ok = sorted(((r["latency_s"], i, p) for i, p in enumerate(lead_picks or [])
@@ -434,16 +425,32 @@ def _sibling_picks(k: Kernel, lead: Kernel, lead_picks: list[Pick] | None, rows:
                 key=lambda x: x[:2])
     if not ok:
         return None
-    total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
-    shares[k.name] = k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
+    rep = reports[k.name]
+    shares[k.name] = _share(k, reports)
     rep.sibling_of = lead.name
     rep.top_k = rep.k = SIBLING_K
+    return shortlist(k, [p.candidate for _, _, p in ok], SIBLING_K, target, None, _known(k, cached, rep),
+                     rep.rejections)
 
+
+def _share(k: Kernel, reports: dict[str, KernelReport]) -> float:
+    """``k``'s share of the untuned model time (weight x untuned latency; 1 when unknown)."""
+    total = sum(r.weight * (r.untuned_s or 0.0) for r in reports.values())
+    rep = reports[k.name]
+    return k.weight * rep.untuned_s / total if (rep.untuned_s and total) else 1.0
+
+
+def _known(k: Kernel, cached: dict, rep: KernelReport) -> Callable[[Candidate], dict | None]:
+    """The row of a candidate of ``k`` measured by an earlier run (it counts, and is not measured
+    again), or None; a failed one is noted among ``rep``'s rejections."""
     def known(c: Candidate) -> dict | None:
         r = cached.get((k.workload_hash, c.record.id))
-        return r if r is not None and is_current(r, c.record) else None
-
-    return shortlist(k, [p.candidate for _, _, p in ok], SIBLING_K, target, None, known, rep.rejections)
+        if r is None or not is_current(r, c.record):
+            return None
+        if r["status"] != "ok":
+            rep.rejections.append((c.record.id, r.get("reason", r["status"])))
+        return r
+    return known
 
 
 def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelReport]) -> float:
