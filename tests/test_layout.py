@@ -13,7 +13,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from ttrank import coverage, donors, frontend, kernels, layouts, zoo
+from ttrank import coverage, donors, frontend, kernels, layouts, runtime, zoo
 from ttrank.cli import main
 from ttrank.errors import ModelLoadError
 from ttrank.graphopt import transform_constant
@@ -88,6 +88,19 @@ def test_auto_layout_packs_only_what_the_store_covers(donor_dir, tiny_cnn, tiny_
     # leaving the network out leaves its packed set out too
     model, _ = coverage.choose_layout(as_imported, store, target, exclude_networks={"tiny_cnn"})
     assert model.layout == "nchw"
+    # packed donors for the dense convs only: those are packed, the depthwise conv stays NCHW
+    # (its NCHW donors cover it), and the compiled model still matches onnxruntime
+    no_depthwise = donors.DonorStore([w for w in store.workloads
+                                      if layouts.PACKED_DEPTHWISE not in w.kernel.anchor_op])
+    model, why = coverage.choose_layout(as_imported, no_depthwise, target)
+    assert model.layout == "nchwc-dense" and "1 depthwise convs, with no packed donor, stay NCHW" in why
+    ks = kernels.model_kernels(model, target)
+    assert any(k.anchor_op.endswith(layouts.PACKED_CONV) for k in ks)
+    assert not any(layouts.PACKED_DEPTHWISE in k.anchor_op for k in ks)
+    assert any(k.anchor_op == "group_conv2d_nchw" for k in ks)
+    assert all(no_depthwise.compatible(k) for k in ks if layouts.PACKED_CONV in k.anchor_op)
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, target), model)
+    assert runtime.check_against_onnxruntime(compiled, model).max_abs_error < 1e-4
 
     # a graph the packing pass cannot rewrite: one clear error when asked for, NCHW with auto
     def cannot(mod, target=None):
@@ -142,8 +155,6 @@ def test_grouped_convs_are_packed_when_their_groups_hold_whole_blocks(tmp_path, 
     """ResNeXt's 3x3 convs (32 groups of 16 channels and more): ``ConvertLayout`` packs them,
     and nothing in TVM legalizes a packed grouped conv. They become packed convs (a dense one's
     loops, so dense packed donors are candidates), and the compiled model matches onnxruntime."""
-    from ttrank import runtime
-
     model = frontend.load(_grouped_model(tmp_path / "grouped.onnx"))
     stats: dict = {}
     packed = dataclasses.replace(model, mod=layouts.pack_conv2d_nchwc(model.mod, target, lanes=lanes, stats=stats),

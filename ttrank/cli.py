@@ -68,10 +68,12 @@ def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False) -> No
                    default="auto" if auto_layout else "nchw",
                    help="the convolutions' activation layout: nchw (as exported), nchwc (packed "
                         "convs blocked by the target's vector width, as onnxruntime's CPU "
-                        "kernels) or nhwc; the model's inputs and outputs keep theirs. Schedules "
+                        "kernels), nchwc-dense (the dense convs packed, depthwise ones as "
+                        "exported) or nhwc; the model's inputs and outputs keep theirs. Schedules "
                         "transfer only between kernels of the same layout"
                         + ("; auto (the default): nchwc when the packing reaches the model's convs "
-                           "and the donor store has packed schedules for every one, else nchw"
+                           "and the donor store has packed schedules for every one, nchwc-dense "
+                           "when only its depthwise convs have none, else nchw"
                            if auto_layout else " (default: nchw)"))
 
 

@@ -9,7 +9,7 @@ from .donors import DonorStore
 from .errors import ModelLoadError
 from .frontend import LoadedModel
 from .kernels import Kernel, model_kernels
-from .layouts import PACKED_CONV, count_unpacked_convs
+from .layouts import PACKED_CONV, PACKED_DEPTHWISE, count_unpacked_convs
 
 
 @dataclass
@@ -60,7 +60,9 @@ def choose_layout(model: LoadedModel, store: DonorStore, target,
                   max_unpacked: float = 0.1) -> tuple[LoadedModel, str]:
     """``--layout auto``: ``model`` (as imported, NCHW) with packed convs (nchwc) when the store
     has packed schedules for every packed conv it then has, and the convs the packing cannot
-    reach hold at most ``max_unpacked`` of the conv FLOPs; else as it is; and why, in a few words.
+    reach hold at most ``max_unpacked`` of the conv FLOPs; with its dense convs packed and its
+    depthwise ones NCHW (nchwc-dense) when only the packed depthwise convs lack packed donors;
+    else as it is; and why, in a few words.
 
     Packed convs are other kernels than NCHW ones: a packed conv no donor covers would be left
     at TVM's default schedule (or tuned from scratch), where NCHW donors cover it as imported.
@@ -74,10 +76,27 @@ def choose_layout(model: LoadedModel, store: DonorStore, target,
                      if PACKED_CONV in w.kernel.anchor_op and w.network not in exclude_networks]
     if not packed_donors:
         return model, "no packed-conv donors in the store"
+    packed_model, bare, why = _packed(model, "nchwc", store, target, exclude_networks, max_unpacked)
+    if bare and all(PACKED_DEPTHWISE in k.anchor_op for k in bare):
+        # depthwise convs are a small part of the work, and NCHW donors cover them: the dense
+        # convs packed, the depthwise ones as imported, beat all of them NCHW (see LAYOUTS)
+        dense, dense_bare, dense_why = _packed(model, "nchwc-dense", store, target, exclude_networks,
+                                               max_unpacked)
+        if dense is not None and not dense_bare:
+            return dense, f"{dense_why}; its {len(bare)} depthwise convs, with no packed donor, stay NCHW"
+    return (packed_model, why) if packed_model is not None and not bare else (model, why)
+
+
+def _packed(model: LoadedModel, layout: str, store: DonorStore, target, exclude_networks,
+            max_unpacked: float) -> tuple[LoadedModel | None, list[Kernel], str]:
+    """``model`` in a packed ``layout``, its packed kernels without a donor, and a few words on
+    it; None when the packing cannot rewrite it, or leaves over ``max_unpacked`` of the conv
+    FLOPs unpacked."""
+    convs = count_unpacked_convs(model.mod)
     try:
-        packed_model = model.in_layout("nchwc", target)
+        packed_model = model.in_layout(layout, target)
     except ModelLoadError as e:  # the packing pass cannot rewrite this graph: as exported
-        return model, f"its convs cannot be packed ({e})"
+        return None, [], f"its convs cannot be packed ({e})"
     left = count_unpacked_convs(packed_model.mod)
     kernels = model_kernels(packed_model, target)  # cached: recommend extracts them once
     # each conv left unpacked sits between transforms of its data to and from NCHW; what they
@@ -88,15 +107,15 @@ def choose_layout(model: LoadedModel, store: DonorStore, target,
     unpacked = sum(k.flops * k.weight for k in kernels
                    if "conv" in k.anchor_op and PACKED_CONV not in k.anchor_op)
     if left and unpacked > max_unpacked * conv_flops:
-        return model, (f"{left} of its {convs} convs (grouped, transposed, 1-D), "
-                       f"{unpacked / max(conv_flops, 1.0):.0%} of the conv FLOPs, have no packed form")
+        return None, [], (f"{left} of its {convs} convs (grouped, transposed, 1-D), "
+                          f"{unpacked / max(conv_flops, 1.0):.0%} of the conv FLOPs, have no packed form")
     packed = [k for k in kernels if PACKED_CONV in k.anchor_op]
     if not packed:
-        return model, "no conv to pack"
-    bare = [k.name for k in packed if not store.compatible(k, set(exclude_networks))]
+        return None, [], "no conv to pack"
+    bare = [k for k in packed if not store.compatible(k, set(exclude_networks))]
     if bare:
-        return model, f"no packed donor for {len(bare)} of its {len(packed)} packed convs"
-    return packed_model, f"packed donors cover all {len(packed)} packed convs"
+        return packed_model, bare, f"no packed donor for {len(bare)} of its {len(packed)} packed convs"
+    return packed_model, [], f"packed donors cover all {len(packed)} packed convs"
 
 
 def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered: set[str],

@@ -414,7 +414,8 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     exact exp/erf/tanh).
     ``layout``: the convolutions' activation layout, one of :data:`ttrank.layouts.LAYOUTS`:
     "nchw" (as imported), "nchwc" (packed x86 convs, blocks sized for ``target``'s vector
-    lanes; default target: this host) or "nhwc". The module's inputs and outputs stay NCHW.
+    lanes; default target: this host), "nchwc-dense" (its dense convs packed, depthwise ones
+    NCHW) or "nhwc". The module's inputs and outputs stay NCHW.
     """
     if layout not in LAYOUTS:
         raise ModelLoadError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")

@@ -26,6 +26,7 @@ import numpy as np
 from . import locations, zoo
 from .errors import RankerError, TTRankError
 from .kernels import extract
+from .layouts import PACKED_LAYOUTS
 from .ranker import BoosterModel
 from .target import cpu_tensor_intrinsics, target_key
 from .transfer import transfer
@@ -311,9 +312,10 @@ def candidate_vectors(ds, store, target) -> np.ndarray:
                 # the tables hold rows of both imports (exact math before it became the default)
                 kernels = {k.workload_hash: k for fast in (False, True)
                            for k in extract(zoo.load(f"zoo:{net}", fast_math=fast).mod, target)}
-                if any(wh not in kernels for wh, _ in keys):  # rows of the packed-conv layout too
-                    kernels.update((k.workload_hash, k) for k in extract(
-                        zoo.load(f"zoo:{net}", layout="nchwc", target=target).mod, target))
+                for layout in PACKED_LAYOUTS:  # rows of the packed-conv layouts too
+                    if any(wh not in kernels for wh, _ in keys):
+                        kernels.update((k.workload_hash, k) for k in extract(
+                            zoo.load(f"zoo:{net}", layout=layout, target=target).mod, target))
             except TTRankError as e:
                 log.info("no program features for %s: %s", net, e)
                 continue
