@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ttrank import adapt, donors, locations
@@ -47,6 +49,26 @@ def test_the_tuning_budget_goes_to_the_largest_shares_across_networks():
         ("bert", ["mm1", "mm3"]), ("resnet18", ["c1"]), ("resnet50", ["c1"])]
     # a budget short of one kernel still tunes the largest
     assert adapt.tuning_batch(todo, 1.0, 64) == [("bert", ["mm1"])]
+
+
+def test_kernels_a_shipped_set_of_this_cpu_tuned_are_not_tuned_again(tmp_path, monkeypatch):
+    """An earlier adaptation published as ``NET@LAYOUT-tN-MCPU`` in datasets/donors counts as
+    this CPU's native tuning; another CPU's set or layout does not."""
+    monkeypatch.setenv("TTRANK_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    shipped = tmp_path / "home" / "datasets" / "donors"
+
+    def log(name: str, rows: list[tuple[str, int]]) -> None:
+        (shipped / name).mkdir(parents=True)
+        (shipped / name / "trials.jsonl").write_text("".join(
+            json.dumps({"task": task, "latency_s": 1e-3}) + "\n" for task, n in rows for _ in range(n)))
+
+    log("vgg16@nchwc-t2-znver1", [("conv_a", 64), ("conv_b", 10)])
+    log("vgg16@nchwc-t2-znver4", [("conv_c", 64)])
+    log("vgg16@nchw-t2-znver1", [("conv_d", 64)])
+    todo = [adapt.PlannedKernel(t, "vgg16", t, "conv2d_NCHWc", 0.1, ["vgg16"])
+            for t in ("conv_a", "conv_b", "conv_c", "conv_d")]
+    assert adapt._tuned(todo, "znver1", "nchwc", 64) == {("vgg16", "conv_a")}
 
 
 def test_time_shares_use_measured_latencies_and_fill_in_the_rest_by_flops(donor_dir, target):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import locations, zoo
 from .collect import collect
-from .donors import DonorStore, native_dir
+from .donors import DonorStore, native_dir, native_sets
 from .errors import TTRankError
 from .kernels import Kernel, extract
 from .measure import Measurer
@@ -257,11 +257,15 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
 
 
 def _tuned(todo: list[PlannedKernel], mcpu: str, layout: str, trials: int) -> set[tuple[str, str]]:
-    """The planned kernels, as (network, task), that have their trials here (or whose search
-    space MetaSchedule exhausted)."""
-    counts = {net: count_trials(native_dir(net, mcpu, layout)) for net in {p.network for p in todo}}
-    return {(p.network, p.task) for p in todo
-            if (t := counts[p.network].get(p.task)) and (t["complete"] or t["done"] >= trials)}
+    """The planned kernels, as (network, task), that have their trials on this CPU (or whose
+    search space MetaSchedule exhausted), in the user's native tuning or in a shipped donor set
+    of this CPU: what an earlier adaptation published is not tuned again."""
+    done: set[tuple[str, str]] = set()
+    for net in {p.network for p in todo}:
+        for d in native_sets(net, mcpu, layout):
+            done |= {(net, task) for task, t in count_trials(d).items()
+                     if t["complete"] or t["done"] >= trials}
+    return {(p.network, p.task) for p in todo if (p.network, p.task) in done}
 
 
 def adapted(target, layout: str = "nchw") -> dict | None:

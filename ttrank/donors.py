@@ -305,6 +305,15 @@ def native_dir(network: str, mcpu: str, layout: str = "nchw") -> Path:
     return user_donor_dir() / (name if layout == "nchw" else f"{name}{SET_SEPARATOR}{layout}")
 
 
+def native_sets(network: str, mcpu: str, layout: str = "nchw") -> list[Path]:
+    """Every work_dir holding ``network``'s kernels tuned on CPU ``mcpu`` in ``layout``: the
+    user's native tuning (:func:`native_dir`) and the shipped donor sets of that CPU (an earlier
+    adaptation's, published as ``NET@LAYOUT-tN-MCPU``)."""
+    shipped = locations.shipped_donors()
+    found = sorted(shipped.glob(f"{network}{SET_SEPARATOR}{layout}-t*-{mcpu}")) if shipped else []
+    return [d for d in (native_dir(network, mcpu, layout), *found) if d.is_dir()]
+
+
 def tuned_here_dir(model: str, layout: str = "nchw") -> Path:
     """Where recommend tunes what no donor covers in ``model`` (a folder per layout: a tuning
     run holds one)."""
