@@ -14,7 +14,6 @@ network ``<name>``, so leave-one-out leaves both out):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,12 +21,10 @@ import time
 from pathlib import Path
 
 from ttrank.bench import DONOR_ORDER as ORDER
-from ttrank.donors import donor_set_dir
+from ttrank.donors import donor_set_dir, write_store_manifest
 from ttrank.layouts import LAYOUTS
 from ttrank.locations import shipped_donors
 from ttrank.target import host_cores, make_target, provenance
-from ttrank.util import atomic_write_json
-from ttrank.workdir import MANIFEST_FILE
 
 
 def main() -> int:
@@ -68,34 +65,9 @@ def main() -> int:
         env = dict(os.environ, TVM_NUM_THREADS=os.environ.get("TTRANK_DONOR_THREADS", str(threads)))
         rc = subprocess.call(cmd, env=env)
         print(f"{name}: exit {rc}", flush=True)
-        write_summary(Path(args.out))
-    write_summary(Path(args.out))
+        write_store_manifest(Path(args.out))
+    write_store_manifest(Path(args.out))
     return 0
-
-
-def write_summary(root: Path) -> None:
-    """datasets/donors/manifest.json: per network, budget, trials, search time, CPU."""
-    nets = {}
-    for man in sorted(root.glob(f"*/{MANIFEST_FILE}")):
-        m = json.loads(man.read_text())
-        prov = m.get("provenance", {})
-        nets[man.parent.name] = {
-            "layout": m.get("layout", "nchw"),
-            "trials_per_task": m.get("trials_per_task"), "trials": m.get("trials_done"),
-            "trials_target": m.get("trials_target"), "complete": m.get("complete"),
-            "search_seconds": m.get("search_seconds"), "kernels": m.get("kernels"),
-            "model_latency_ms": {k: v for k, v in (m.get("model_latency_ms") or {}).items()
-                                 if k != "provenance"} or None,
-            "cpu": prov.get("cpu"), "mcpu": prov.get("mcpu"), "cores": prov.get("cores"),
-            # runs from before ttrank recorded it used TVM's default here: one thread
-            "runtime_threads": prov.get("threads", 1),
-            "tvm": prov.get("tvm"), "started": prov.get("date")}
-    atomic_write_json(root / "manifest.json", {
-        "how": "python bench/tune_donors.py --budget-minutes M (ttrank tune per network, resumable)",
-        "runtime_threads": "every donor was tuned with one TVM runtime thread (TVM's default on this "
-                           "2-core host); recommend and the cross-measurements run with one per core",
-        "search_seconds_total": round(sum(n["search_seconds"] or 0 for n in nets.values()), 1),
-        "networks": nets})
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ import time
 
 import numpy as np
 import pytest
+import tvm_ffi
 
 from ttrank import donors, frontend, kernels, measure, transfer, util, zoo
 from ttrank.cli import main
 from ttrank.target import make_target
 from ttrank.tune import count_trials, tune
+from ttrank.workdir import RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, merge_work_dir, open_database
 
 from conftest import DONOR_KERNELS
 
@@ -446,3 +448,56 @@ def test_compile_with_a_database_writes_only_the_checked_library(donor_dir, tmp_
     printed = capsys.readouterr().out
     assert "check vs onnxruntime" in printed and "OK" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_resnet.so"]
+
+
+def test_two_tuning_runs_of_a_network_merge_into_one_donor_set(donor_dir, tmp_path):
+    """An adaptation published into a shipped set that an earlier one began: one database whose
+    records each keep their own workload, and a repeated merge adds nothing."""
+    wl = (donor_dir / WORKLOAD_FILE).read_text().splitlines()
+    recs = (donor_dir / RECORD_FILE).read_text().splitlines()
+    # two runs: the first tuned the records of workload 0, the second the rest, with the
+    # workloads in another order (its own numbering)
+    first, second = tmp_path / "first", tmp_path / "second"
+    for d in (first, second):
+        d.mkdir()
+        (d / TRIALS_FILE).write_text("")
+    (first / WORKLOAD_FILE).write_text(wl[0] + "\n")
+    (first / RECORD_FILE).write_text("\n".join(r for r in recs if json.loads(r)[0] == 0) + "\n")
+    order = list(reversed(range(len(wl))))
+    (second / WORKLOAD_FILE).write_text("\n".join(wl[i] for i in order) + "\n")
+    (second / RECORD_FILE).write_text("".join(
+        json.dumps([order.index(json.loads(r)[0]), json.loads(r)[1]]) + "\n"
+        for r in recs if json.loads(r)[0] != 0))
+
+    merged = tmp_path / "merged"
+    merge_work_dir(first, merged)
+    added = merge_work_dir(second, merged)
+    assert added["workloads"] == len(wl) - 1 and added["records"] == len(recs) - sum(
+        json.loads(r)[0] == 0 for r in recs)
+    assert merge_work_dir(second, merged) == {"workloads": 0, "records": 0, "trials": 0}
+
+    def by_workload(work_dir) -> dict:
+        out: dict = {}
+        for r in open_database(work_dir).get_all_tuning_records():
+            out.setdefault(tvm_ffi.structural_hash(r.workload.mod), []).append(sorted(map(float, r.run_secs)))
+        return {k: sorted(v) for k, v in out.items()}
+
+    assert by_workload(merged) == by_workload(donor_dir)
+
+
+def test_an_adaptations_native_tuning_is_published_as_a_donor_set_of_its_cpu(donor_dir, tmp_path):
+    cache, shipped = tmp_path / "cache" / "donors", tmp_path / "datasets" / "donors"
+    native = cache / "native-zenx-tiny_resnet@nchwc"
+    shutil.copytree(donor_dir, native)
+    man = json.loads((native / "tune_manifest.json").read_text())
+    man["provenance"] = {**man.get("provenance", {}), "mcpu": "zenx", "threads": 2}
+    (native / "tune_manifest.json").write_text(json.dumps(man))
+    shutil.copytree(donor_dir, cache / "tiny_cnn")  # the user's own donors stay theirs
+
+    [(src, dest, added)] = donors.publish_native(cache, shipped)
+    assert dest == shipped / "tiny_resnet@nchwc-t2-zenx" and added["records"] > 0
+    assert donors.network_of(dest) == "tiny_resnet"
+    assert donors.publish_native(cache, shipped, mcpu="other") == []
+    assert donors.publish_native(cache, shipped)[0][2] == {"workloads": 0, "records": 0, "trials": 0}
+    listing = json.loads(donors.write_store_manifest(shipped).read_text())["networks"]
+    assert listing["tiny_resnet@nchwc-t2-zenx"]["mcpu"] == "zenx"

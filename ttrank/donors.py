@@ -34,8 +34,8 @@ from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
 from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_of
 from .workdir import (MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
-                      database_files, db_file, is_work_dir, network_of, read_manifest, records, task_names,
-                      workload_lines)
+                      database_files, db_file, is_work_dir, merge_work_dir, network_of, read_manifest, records,
+                      task_names, workload_lines)
 
 log = logging.getLogger("ttrank")
 
@@ -312,6 +312,52 @@ def native_sets(network: str, mcpu: str, layout: str = "nchw") -> list[Path]:
     shipped = locations.shipped_donors()
     found = sorted(shipped.glob(f"{network}{SET_SEPARATOR}{layout}-t*-{mcpu}")) if shipped else []
     return [d for d in (native_dir(network, mcpu, layout), *found) if d.is_dir()]
+
+
+def publish_native(src_root: Path, dest_root: Path, mcpu: str | None = None) -> list[tuple[Path, Path, dict]]:
+    """Publish the native tuning under ``src_root`` (an adaptation's donor store: its
+    ``native-MCPU-NET[@LAYOUT]`` work_dirs) as donor sets of ``dest_root``
+    (``NET@LAYOUT-tTHREADS-MCPU``), merged into a set an earlier adaptation of that CPU began.
+    Only ``mcpu``'s, when given. Returns (source, set, what was added) per work_dir."""
+    out = []
+    for src in sorted(p for p in src_root.glob(f"{NATIVE_PREFIX}*") if is_work_dir(p)):
+        prov = read_manifest(src).get("provenance") or {}
+        if not prov.get("mcpu") or (mcpu and prov["mcpu"] != mcpu):
+            continue
+        layout = src.name.split(SET_SEPARATOR, 1)[1] if SET_SEPARATOR in src.name else "nchw"
+        dest = donor_set_dir(dest_root, network_of(src), layout, prov.get("threads", 1), prov["mcpu"])
+        out.append((src, dest, merge_work_dir(src, dest)))
+    return out
+
+
+def write_store_manifest(root: Path) -> Path:
+    """``datasets/donors/manifest.json``: per donor set, its layout, trials, search time, CPU and
+    runtime threads, read from each set's own ``tune_manifest.json``."""
+    nets = {}
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and (p / MANIFEST_FILE).exists()):
+        m = read_manifest(d)
+        prov = m.get("provenance", {})
+        nets[d.name] = {
+            "layout": m.get("layout", "nchw"),
+            "trials_per_task": m.get("trials_per_task"), "trials": m.get("trials_done"),
+            "trials_target": m.get("trials_target"), "complete": m.get("complete"),
+            "search_seconds": m.get("search_seconds"), "kernels": m.get("kernels"),
+            "model_latency_ms": {k: v for k, v in (m.get("model_latency_ms") or {}).items()
+                                 if k != "provenance"} or None,
+            "cpu": prov.get("cpu"), "mcpu": prov.get("mcpu"), "cores": prov.get("cores"),
+            # runs from before ttrank recorded it used TVM's default here: one thread
+            "runtime_threads": prov.get("threads", 1),
+            "tvm": prov.get("tvm"), "started": prov.get("date")}
+    path = root / "manifest.json"
+    atomic_write_json(path, {
+        "how": "python bench/tune_donors.py --budget-minutes M (ttrank tune per network, resumable); "
+               "NET@LAYOUT-tN-MCPU: a set of another layout, thread count or CPU (tune_donors.py "
+               "--layout/--threads, or an adaptation's native tuning: bench/publish_native.py)",
+        "runtime_threads": "per set: the TVM runtime threads it was tuned with (v1: one, TVM's default "
+                           "on a 2-core host); recommend and the cross-measurements run with one per core",
+        "search_seconds_total": round(sum(n["search_seconds"] or 0 for n in nets.values()), 1),
+        "networks": nets})
+    return path
 
 
 def tuned_here_dir(model: str, layout: str = "nchw") -> Path:

@@ -16,7 +16,8 @@ from typing import Any
 
 from .errors import StoreError
 from .safety import unsafe_annotation
-from .util import atomic_write_bytes, atomic_write_json, cache_dir, open_text, read_jsonl, sha256_of
+from .util import (atomic_write_bytes, atomic_write_json, atomic_write_text, cache_dir, file_lock, open_text,
+                   read_jsonl, sha256_of)
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
@@ -130,6 +131,73 @@ def read_manifest(work_dir: str | Path) -> dict:
 
 def write_manifest(work_dir: str | Path, manifest: dict) -> None:
     atomic_write_json(Path(work_dir) / MANIFEST_FILE, manifest)
+
+
+def merge_work_dir(src: str | Path, dest: str | Path) -> dict[str, int]:
+    """Add ``src``'s tuning (workloads, records, trials, manifest tasks) to the work_dir ``dest``
+    (made when absent), as one database: a workload both hold is kept once and ``src``'s records
+    point at it; a record or trial ``dest`` already holds is not added again, so a merge can be
+    repeated. Plain (not gzipped) work_dirs, as ``ttrank tune`` writes them. Returns the counts
+    added."""
+    src, dest = Path(src), Path(dest)
+    database_files(src)
+    if any(p.suffix == ".gz" for p in (db_file(dest, WORKLOAD_FILE), db_file(dest, RECORD_FILE)) if p):
+        raise StoreError(f"{dest}: gzipped; merge into a plain work_dir")
+    dest.mkdir(parents=True, exist_ok=True)
+    with file_lock(dest):
+        old_wl = [line.rstrip("\n") for _, line in workload_lines(dest)] if is_work_dir(dest) else []
+        index = {line: i for i, line in enumerate(old_wl)}
+        remap, new_wl = {}, []
+        for i, (_, line) in enumerate(workload_lines(src)):
+            line = line.rstrip("\n")
+            if line not in index:
+                index[line] = len(old_wl) + len(new_wl)
+                new_wl.append(line)
+            remap[i] = index[line]
+        old_rec = [line for line in (dest / RECORD_FILE).read_text().splitlines() if line.strip()] \
+            if (dest / RECORD_FILE).exists() else []
+        seen = {_canonical(line) for line in old_rec}
+        new_rec = []
+        with open_text(db_file(src, RECORD_FILE)) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                idx, rec = json.loads(line)  # the record as TVM wrote it, its workload renumbered
+                line = json.dumps([remap[idx], rec], separators=(",", ":"))
+                if (key := _canonical(line)) not in seen:
+                    seen.add(key)
+                    new_rec.append(line)
+        old_trials = (dest / TRIALS_FILE).read_text().splitlines() if (dest / TRIALS_FILE).exists() else []
+        have = set(old_trials)
+        add_trials = [line for line in (src / TRIALS_FILE).read_text().splitlines()
+                      if line.strip() and line not in have] if (src / TRIALS_FILE).exists() else []
+        # the workload file first: a reader between the two writes sees records it can resolve
+        atomic_write_text(dest / WORKLOAD_FILE, "".join(f"{w}\n" for w in [*old_wl, *new_wl]))
+        atomic_write_text(dest / RECORD_FILE, "".join(f"{r}\n" for r in [*old_rec, *new_rec]))
+        atomic_write_text(dest / TRIALS_FILE, "".join(f"{t}\n" for t in [*old_trials, *add_trials]))
+        write_manifest(dest, _merged_manifest(read_manifest(dest), read_manifest(src)))
+    return {"workloads": len(new_wl), "records": len(new_rec), "trials": len(add_trials)}
+
+
+def _canonical(line: str) -> str:
+    return json.dumps(json.loads(line), separators=(",", ":"), sort_keys=True)
+
+
+def _merged_manifest(old: dict, new: dict) -> dict:
+    """One manifest for two tuning runs of one network: their tasks (the later run's where both
+    tuned one), trial counts and search time summed, complete only if both are."""
+    if not old:
+        return dict(new)
+    tasks = {t["name"]: t for t in [*old.get("tasks", []), *new.get("tasks", [])]}
+    out = {**old, "last_run": new.get("last_run", new.get("provenance")),
+           "tasks": list(tasks.values()), "kernels": len(tasks),
+           "trials_done": sum(t.get("trials", 0) for t in tasks.values()),
+           "trials_target": sum(t.get("target_trials", 0) for t in tasks.values()),
+           "complete": bool(old.get("complete") and new.get("complete")),
+           "search_seconds": round((old.get("search_seconds") or 0) + (new.get("search_seconds") or 0), 1),
+           "cpus": sorted({*old.get("cpus", []), *new.get("cpus", [])}),
+           "estimated_ms": None, "model_latency_ms": None}  # neither run's estimate covers both
+    return out
 
 
 def trials(work_dir: str | Path) -> Iterator[dict]:
