@@ -64,6 +64,17 @@ def _toy(cost_quality: str) -> tuple[Dataset, np.ndarray, np.ndarray]:
     return Dataset(np.zeros((len(y), 1)), np.array(y), groups, meta), ranker, cost
 
 
+def test_record_sets_not_cached_yet_are_extracted_on_every_core(donor_dir, target, tmp_path, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    sets = [shutil.copytree(donor_dir, tmp_path / name) for name in ("tiny_resnet", "tiny_resnet@nchw-t2-x")]
+    one, two = programs.record_sets(sets, target)  # in worker processes where there are 2 cores
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "another-cache"))
+    alone = programs.record_set(donor_dir, target)  # in this process
+    for rs in (one, two):
+        assert np.array_equal(np.nan_to_num(rs.X), np.nan_to_num(alone.X))
+        assert np.array_equal(rs.latency_s, alone.latency_s) and list(rs.workload) == list(alone.workload)
+
+
 def test_second_stage_is_kept_only_where_it_helps():
     ds, ranker, cost = _toy("good")
     st = choose_stage2(ds, ranker, cost)

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from joblib import Parallel, delayed
 
 from . import locations, zoo
 from .errors import RankerError, TTRankError
 from .kernels import extract
 from .layouts import PACKED_LAYOUTS
 from .ranker import BoosterModel
-from .target import cpu_tensor_intrinsics, target_key
+from .target import cpu_tensor_intrinsics, host_cores, make_target, target_key
 from .transfer import transfer
 from .util import cache_dir, sha256_of
 from .workdir import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE, db_file, network_of, open_database
@@ -117,21 +118,45 @@ def relative_throughput(latency_s: np.ndarray, workload: np.ndarray) -> np.ndarr
     return y
 
 
+def _record_set_path(work_dir: Path, target) -> Path:
+    """Where :func:`record_set` caches a work_dir's set: named by the log's content."""
+    import tvm  # its version is part of the name
+
+    files = [db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)]
+    if None in files:
+        raise RankerError(f"{work_dir}: not a MetaSchedule work_dir")
+    # "own machine": sets cached before the fallback in record_set held no trials on a new CPU
+    key = hashlib.sha256(json.dumps([sha256_of(*files), PROGRAM_FEATURE_VERSION, tvm.__version__,
+                                     target_key(target), "own machine"]).encode()).hexdigest()[:20]
+    return cache_dir() / "program_features" / "records" / f"{work_dir.name}-{key}.npz"
+
+
+def _cache_record_set(work_dir: str, target_spec: dict) -> None:
+    """:func:`record_set` in a worker process (a Target does not cross processes: its dict does)."""
+    record_set(work_dir, make_target(target_spec))
+
+
+def record_sets(work_dirs: Iterable[str | Path], target) -> list[RecordSet]:
+    """:func:`record_set` of each work_dir; those not cached yet are extracted on every core
+    (one work_dir per worker: minutes each for the zoo's larger logs)."""
+    work_dirs = [Path(d) for d in work_dirs]
+    todo = [str(d) for d in work_dirs if not _record_set_path(d, target).exists()]
+    if len(todo) > 1 and host_cores() > 1:
+        spec = json.loads(str(target))
+        Parallel(n_jobs=min(host_cores(), len(todo)))(delayed(_cache_record_set)(d, spec) for d in todo)
+        todo = [d for d in todo if not _record_set_path(Path(d), target).exists()]
+    featurizer = Featurizer(target) if todo else None  # one for the sets left to this process
+    return [record_set(d, target, featurizer) for d in work_dirs]
+
+
 def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = None) -> RecordSet:
     """The trials of a donor work_dir as a :class:`RecordSet` (those tuned for ``target``, or
     if none, for the log's own machine); cached by the log's content, since extraction takes
     about 0.02 s per trial."""
-    import tvm  # TVM loads slowly: only when features are extracted
-    import tvm_ffi
+    import tvm_ffi  # TVM loads slowly: only when features are extracted
 
     work_dir = Path(work_dir)
-    files = [db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)]
-    if None in files:
-        raise RankerError(f"{work_dir}: not a MetaSchedule work_dir")
-    # "own machine": sets cached before the fallback below held no trials on a new CPU
-    key = hashlib.sha256(json.dumps([sha256_of(*files), PROGRAM_FEATURE_VERSION, tvm.__version__,
-                                     target_key(target), "own machine"]).encode()).hexdigest()[:20]
-    path = cache_dir() / "program_features" / "records" / f"{work_dir.name}-{key}.npz"
+    path = _record_set_path(work_dir, target)
     if path.exists():
         z = np.load(path, allow_pickle=False)
         return RecordSet(work_dir.name, z["X"], z["latency_s"], z["workload"])
@@ -229,9 +254,8 @@ class CostModel(BoosterModel):
 def fit_cost_model(work_dirs: Iterable[str | Path], target, exclude_networks: Iterable[str] = (),
                    **params) -> CostModel:
     """A cost model on every trial of ``work_dirs`` but those of ``exclude_networks``."""
-    featurizer = Featurizer(target)
     # a network's other donor sets (packed, native) are its schedules too
-    sets = [record_set(d, target, featurizer) for d in work_dirs if network_of(d) not in set(exclude_networks)]
+    sets = record_sets([d for d in work_dirs if network_of(d) not in set(exclude_networks)], target)
     sets = [s for s in sets if len(s.latency_s)]
     if not sets:
         raise RankerError("no donor tuning records to train a cost model on")
