@@ -163,6 +163,8 @@ def merge_work_dir(src: str | Path, dest: str | Path) -> dict[str, int]:
                 if not line.strip():
                     continue
                 idx, rec = json.loads(line)  # the record as TVM wrote it, its workload renumbered
+                if idx not in remap:
+                    raise StoreError(f"{src}: a record names workload {idx}; the log has {len(remap)}")
                 line = json.dumps([remap[idx], rec], separators=(",", ":"))
                 if (key := _canonical(line)) not in seen:
                     seen.add(key)
