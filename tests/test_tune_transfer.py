@@ -501,3 +501,32 @@ def test_an_adaptations_native_tuning_is_published_as_a_donor_set_of_its_cpu(don
     assert donors.publish_native(cache, shipped)[0][2] == {"workloads": 0, "records": 0, "trials": 0}
     listing = json.loads(donors.write_store_manifest(shipped).read_text())["networks"]
     assert listing["tiny_resnet@nchwc-t2-zenx"]["mcpu"] == "zenx"
+
+
+def test_the_models_compile_links_the_kernels_built_for_measuring(target, tmp_path, monkeypatch):
+    """Kernels measured as they are (here: untuned, as every recommend measures them first) are
+    linked into the model from their measuring builds, renamed, not compiled again; the model
+    still computes what onnxruntime does."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from ttrank import runtime
+
+    monkeypatch.setattr(runtime, "host_cores", lambda: 2)
+    model = zoo.load("zoo:tiny_cnn")
+    ks = kernels.extract(model.mod, target)
+    builder = measure.WarmPoolBuilder(max_workers=2, artifact_dir=str(tmp_path / "builds"))
+    linked = {}
+
+    def kept(funcs, tgt):
+        linked.update(builder.kept_objects(funcs, tgt))
+        return linked
+
+    try:
+        built = builder.build_references([k.mod for k in ks], target, [k.workload_hash for k in ks])
+        assert all(status == "ok" for status, _ in built)
+        ex = runtime.compile_model(model, target, ms.database.MemoryDatabase(), builder.compile_objects, kept)
+        compiled = runtime.CompiledModel.load(runtime.export(ex, tmp_path / "model.so"), model)
+    finally:
+        builder.close()
+    assert len(linked) >= len({k.workload_hash for k in ks}) - 1  # the model's kernels, as measured
+    assert runtime.check_against_onnxruntime(compiled, model).ok

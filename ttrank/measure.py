@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import math
 import os
 import random
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -111,11 +113,13 @@ class Built(NamedTuple):
     once_s: float | None = None
 
 
-def _build_export(mod, target, artifact_dir: str) -> str:
+def _build_export(mod, target, artifact_dir: str, keep: bool = False) -> str:
     """Build a scheduled PrimFunc module and export it (runs in a pool worker).
 
     Unlike MetaSchedule's default_build this does not import tvm.s_tir.tensor_intrin, which
     costs ~30 s per fresh worker; scheduling (in the parent) already registered what it needed.
+    ``keep``: keep its object file for the model's compile (:func:`_export`), when the built
+    program is the one given (no weight-layout rewrite stripped).
     """
     import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
@@ -124,15 +128,52 @@ def _build_export(mod, target, artifact_dir: str) -> str:
     hang = func.attrs.get(HANG_ATTR) if func.attrs is not None else None
     if hang is not None:
         time.sleep(float(hang))
-    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return _export(tvm.compile(mod, target=target), artifact_dir, target)
+    stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    key = object_key(mod, target) if keep and _same_program(stripped, mod) else None
+    return _export(tvm.compile(stripped, target=target), artifact_dir, target, key)
 
 
-def _export(rt_mod, artifact_dir: str, target=None) -> str:
+# The object files of the kernels built for measuring, under a build pool's artifact_dir, by
+# object_key: the model's compile links the winners' instead of compiling them again
+OBJECTS = "objects"
+# attributes that name or classify a kernel but do not change its machine code
+_NAMING_ATTRS = ("global_symbol", "op_pattern", "tirx.is_scheduled")
+
+
+def object_key(mod, target) -> str | None:
+    """What a kernel's machine code depends on: its program (parameters, buffers, body and the
+    attributes codegen reads) and the target; None for a module of other than one PrimFunc. A
+    measured candidate ("main") and the model's kernel it became share it."""
+    import tvm
+    import tvm_ffi
+
+    funcs = list(mod.functions.values()) if isinstance(mod, tvm.IRModule) else [mod]
+    if len(funcs) != 1 or not isinstance(funcs[0], tvm.tirx.PrimFunc):
+        return None
+    f = funcs[0]
+    for attr in _NAMING_ATTRS:
+        if f.attrs is not None and attr in f.attrs:
+            f = f.without_attr(attr)
+    return f"{tvm_ffi.structural_hash(f) & 0xFFFFFFFFFFFFFFFF:016x}-" + hashlib.sha256(
+        str(target).encode()).hexdigest()[:12]
+
+
+def _export(rt_mod, artifact_dir: str, target=None, key: str | None = None) -> str:
+    """Export a built kernel into a folder of its own; with ``key``, its object file is kept
+    under ``OBJECTS`` by that key (host targets only: the model's compile links it)."""
     # one folder per artifact: MetaSchedule's RemoveBuildArtifact removes the artifact's folder
     os.makedirs(artifact_dir, exist_ok=True)
-    path = os.path.join(tempfile.mkdtemp(dir=artifact_dir), "kernel.so")
-    rt_mod.export_library(path, fcompile=cross_compiler(target))  # another architecture: its linker
+    folder = tempfile.mkdtemp(dir=artifact_dir)
+    path = os.path.join(folder, "kernel.so")
+    keep = key is not None and cross_compiler(target) is None
+    # export_library writes the object (lib0.o) into its workspace: here, when it is kept
+    rt_mod.export_library(path, fcompile=cross_compiler(target),  # another architecture: its linker
+                          workspace_dir=folder if keep else None)
+    if keep:
+        kept = os.path.join(artifact_dir, OBJECTS, f"{key}.o")
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # the same program, built again
+            os.link(os.path.join(folder, "lib0.o"), kept)
     return path
 
 
@@ -248,7 +289,7 @@ def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> Bui
     once for both, not once more by the first candidate's check."""
     import tvm
 
-    path = _build_export(mod, target, artifact_dir)
+    path = _build_export(mod, target, artifact_dir, keep=True)
     _, _, secs = _reference(mod, ref_key, os.path.join(artifact_dir, "references"),
                             built=tvm.runtime.load_module(path))
     return Built(path, secs)
@@ -273,7 +314,7 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     if run_here:
         stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
         if _same_program(stripped, mod):
-            path = _export(tvm.compile(mod, target=target), artifact_dir, target)
+            path = _export(tvm.compile(mod, target=target), artifact_dir, target, object_key(mod, target))
             wrong, secs = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol,
                                          built=tvm.runtime.load_module(path))
             if wrong is not None:
@@ -410,6 +451,30 @@ class WarmPoolBuilder(PyBuilder):
             if status != "ok":
                 raise RuntimeError(value)
             out.append(value)
+        return out
+
+    def kept_objects(self, funcs: list[tuple[str, Any]], target) -> dict[str, str]:
+        """Of ``funcs`` (a model's kernels: symbol name, PrimFunc), those whose very program a
+        build of this pool compiled for measuring (a winner, or an untuned kernel): name -> that
+        object file, its function renamed from "main" to the name the model calls. Host targets
+        only (objcopy renames); what is not here is compiled as before."""
+        root = os.path.join(self.artifact_dir, OBJECTS)
+        objcopy = shutil.which("objcopy")
+        if objcopy is None or not os.path.isdir(root) or cross_compiler(target) is not None:
+            return {}
+        out = {}
+        for name, f in funcs:
+            key = object_key(f, target)
+            src = os.path.join(root, f"{key}.o")
+            if key is None or not os.path.exists(src) or f.attrs is None or f.attrs.get("global_symbol") != name:
+                continue
+            dst = os.path.join(tempfile.mkdtemp(dir=self.artifact_dir), f"{name}.o")
+            done = subprocess.run([objcopy, f"--redefine-sym=__tvm_ffi_main=__tvm_ffi_{name}", src, dst],
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                out[name] = dst
+            else:
+                log.warning("could not reuse the measured build of %s: %s", name, _last_line(done.stderr))
         return out
 
     def warm(self) -> None:
@@ -883,6 +948,11 @@ class Measurer:
         if not isinstance(self.builder, WarmPoolBuilder):
             raise NotImplementedError(f"{type(self.builder).__name__} compiles no object files")
         return self.builder.compile_objects(mods, target)
+
+    def kept_objects(self, funcs: list[tuple[str, Any]], target) -> dict[str, str]:
+        """The measured builds the model's compile can link (see :meth:`WarmPoolBuilder.kept_objects`);
+        none from a builder of another kind."""
+        return self.builder.kept_objects(funcs, target) if isinstance(self.builder, WarmPoolBuilder) else {}
 
     def baseline(self) -> Measurer:
         """A measurer sharing this builder that runs once: for slow untuned kernels, where

@@ -249,7 +249,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
         t0 = time.time()
         compiled, max_err = _build(model, target, db_dir, output, kernels, chosen, reports, extra_db, check,
-                                   measurer.compile_objects)
+                                   measurer.compile_objects, measurer.kept_objects)
         t_compile = time.time() - t0
     finally:
         measurer.close()
@@ -654,16 +654,18 @@ def _latencies(chosen: dict, reports: dict[str, KernelReport]) -> dict[str, floa
 
 def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kernel],
            chosen: dict[str, Transferred], reports: dict[str, KernelReport], extra_db, check: bool,
-           compile_objects=None) -> tuple[CompiledModel | None, float | None]:
+           compile_objects=None, kept_objects=None) -> tuple[CompiledModel | None, float | None]:
     """Write the database beside its place, compile, check; then the database and the library
     replace the previous ones as one step (a kill between the renames is finished by the next
     run): never a database of one run beside another's library. For another architecture
     (cross-compiled), the host can neither load nor check the model: no CompiledModel then.
     ``compile_objects``: the build pool's, to compile the kernels in parallel (the model is
-    exported then, as its parts are linked at export)."""
+    exported then, as its parts are linked at export); ``kept_objects``: its measured builds,
+    linked instead of compiled again."""
     staged = db_dir.with_name(f".{db_dir.name}.staged")
     database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db)
-    ex = compile_model(model, target, database, compile_objects if output else None)
+    ex = compile_model(model, target, database, compile_objects if output else None,
+                       kept_objects if output else None)
     foreign = is_foreign(target)
     moves = [(staged, db_dir)]
     try:

@@ -26,12 +26,15 @@ log = logging.getLogger("ttrank")
 
 
 def compile_model(model: LoadedModel, target, database=None,
-                  compile_objects: Callable[[list, Any], list[str]] | None = None):
+                  compile_objects: Callable[[list, Any], list[str]] | None = None,
+                  kept_objects: Callable[[list, Any], dict[str, str]] | None = None):
     """Compile with the default CPU pipeline, or with a MetaSchedule database's schedules.
 
     ``compile_objects(modules, target) -> object files`` (a build pool's): with a database, the
     kernels are compiled in parts, in parallel, and linked as static libraries; LLVM is most of a
-    compile, and one module keeps it on one core. The executable must then be exported to run.
+    compile, and one module keeps it on one core. ``kept_objects((name, PrimFunc) list, target)
+    -> {name: object file}`` (the pool's measured builds): those kernels are linked as they were
+    measured, not compiled again. The executable must then be exported to run.
     """
     import tvm
 
@@ -40,7 +43,7 @@ def compile_model(model: LoadedModel, target, database=None,
             return tvm.compile(model.mod, target=target)
     if compile_objects is None or host_cores() < 2:  # one core: the parts would only cost more
         return _compile_whole(model.mod, target, database)
-    return _compile_in_parts(model.mod, target, database, compile_objects)
+    return _compile_in_parts(model.mod, target, database, compile_objects, kept_objects)
 
 
 def _database_pipeline(target):
@@ -66,9 +69,11 @@ def _database_pipeline(target):
         t.MetaScheduleApplyDatabase(), *lower, *finalize])
 
 
-def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, Any], list[str]]):
-    """relax.build with its TIR half compiled in parts by ``compile_objects``; the parts join the
-    executable as static libraries (TVM's ``_vmlink`` does this for external modules)."""
+def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, Any], list[str]],
+                      kept_objects: Callable[[list, Any], dict[str, str]] | None = None):
+    """relax.build with its TIR half compiled in parts by ``compile_objects``, but for the kernels
+    ``kept_objects`` already has; all join the executable as static libraries (TVM's ``_vmlink``
+    does this for external modules)."""
     import tvm
     from tvm import relax
     from tvm.relax import vm_build
@@ -81,6 +86,10 @@ def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, An
     lowered = vm_build._vmcodegen(builder, lowered, "bytecode")
     tir = vm_build._auto_attach_system_lib_prefix(vm_build._filter_tir(lowered), target, None)
     funcs = list(tir.functions.items()) if tir is not None else []
+    kept = kept_objects([(gv.name_hint, f) for gv, f in funcs], target) if kept_objects else {}
+    if kept:
+        log.info("linking %d of %d kernels as they were built for measuring", len(kept), len(funcs))
+    funcs = [(gv, f) for gv, f in funcs if gv.name_hint not in kept]
     # more parts than workers, so that one part of big kernels does not leave a core idle
     n = min(len(funcs), 4 * host_cores())
     parts = [tvm.IRModule(dict(funcs[i::n]), attrs=tir.attrs) for i in range(n)]
@@ -92,6 +101,7 @@ def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, An
         return _compile_whole(mod, target, database)
     libs = [tvm.runtime.load_static_library(o, [gv.name_hint for gv in part.get_global_vars()])
             for o, part in zip(objects, parts)]
+    libs += [tvm.runtime.load_static_library(o, [name]) for name, o in kept.items()]
     return vm_build._vmlink(builder, target, None, ext_libs=[*ext_libs, *libs], params=constants)
 
 
