@@ -474,7 +474,9 @@ def test_two_tuning_runs_of_a_network_merge_into_one_donor_set(donor_dir, tmp_pa
     added = merge_work_dir(second, merged)
     assert added["workloads"] == len(wl) - 1 and added["records"] == len(recs) - sum(
         json.loads(r)[0] == 0 for r in recs)
+    manifest = (merged / "tune_manifest.json").read_text()
     assert merge_work_dir(second, merged) == {"workloads": 0, "records": 0, "trials": 0}
+    assert (merged / "tune_manifest.json").read_text() == manifest  # its search time not counted twice
 
     def by_workload(work_dir) -> dict:
         out: dict = {}

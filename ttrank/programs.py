@@ -131,32 +131,37 @@ def _record_set_path(work_dir: Path, target) -> Path:
     return cache_dir() / "program_features" / "records" / f"{work_dir.name}-{key}.npz"
 
 
-def _cache_record_set(work_dir: str, target_spec: dict) -> None:
+def _cache_record_set(work_dir: str, target_spec: dict, path: str) -> None:
     """:func:`record_set` in a worker process (a Target does not cross processes: its dict does)."""
-    record_set(work_dir, make_target(target_spec))
+    _record_set(Path(work_dir), make_target(target_spec), Path(path))
 
 
 def record_sets(work_dirs: Iterable[str | Path], target) -> list[RecordSet]:
     """:func:`record_set` of each work_dir; those not cached yet are extracted on every core
     (one work_dir per worker: minutes each for the zoo's larger logs)."""
-    work_dirs = [Path(d) for d in work_dirs]
-    todo = [str(d) for d in work_dirs if not _record_set_path(d, target).exists()]
+    # each path hashes its logs (megabytes): once per work_dir
+    paths = {Path(d): _record_set_path(Path(d), target) for d in work_dirs}
+    todo = [d for d, p in paths.items() if not p.exists()]
     if len(todo) > 1 and host_cores() > 1:
         spec = json.loads(str(target))
-        Parallel(n_jobs=min(host_cores(), len(todo)))(delayed(_cache_record_set)(d, spec) for d in todo)
-        todo = [d for d in todo if not _record_set_path(Path(d), target).exists()]
+        Parallel(n_jobs=min(host_cores(), len(todo)))(
+            delayed(_cache_record_set)(str(d), spec, str(paths[d])) for d in todo)
+        todo = [d for d in todo if not paths[d].exists()]
     featurizer = Featurizer(target) if todo else None  # one for the sets left to this process
-    return [record_set(d, target, featurizer) for d in work_dirs]
+    return [_record_set(d, target, p, featurizer) for d, p in paths.items()]
 
 
 def record_set(work_dir: str | Path, target, featurizer: Featurizer | None = None) -> RecordSet:
     """The trials of a donor work_dir as a :class:`RecordSet` (those tuned for ``target``, or
     if none, for the log's own machine); cached by the log's content, since extraction takes
     about 0.02 s per trial."""
+    return _record_set(Path(work_dir), target, _record_set_path(Path(work_dir), target), featurizer)
+
+
+def _record_set(work_dir: Path, target, path: Path, featurizer: Featurizer | None = None) -> RecordSet:
+    """:func:`record_set`, its cache file ``path`` known."""
     import tvm_ffi  # TVM loads slowly: only when features are extracted
 
-    work_dir = Path(work_dir)
-    path = _record_set_path(work_dir, target)
     if path.exists():
         z = np.load(path, allow_pickle=False)
         return RecordSet(work_dir.name, z["X"], z["latency_s"], z["workload"])

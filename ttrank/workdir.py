@@ -173,6 +173,8 @@ def merge_work_dir(src: str | Path, dest: str | Path) -> dict[str, int]:
         have = set(old_trials)
         add_trials = [line for line in (src / TRIALS_FILE).read_text().splitlines()
                       if line.strip() and line not in have] if (src / TRIALS_FILE).exists() else []
+        if not (new_wl or new_rec or add_trials):  # merged before: the manifest counted it then
+            return {"workloads": 0, "records": 0, "trials": 0}
         # the workload file first: a reader between the two writes sees records it can resolve
         atomic_write_text(dest / WORKLOAD_FILE, "".join(f"{w}\n" for w in [*old_wl, *new_wl]))
         atomic_write_text(dest / RECORD_FILE, "".join(f"{r}\n" for r in [*old_rec, *new_rec]))
