@@ -168,8 +168,6 @@ def test_the_donor_store_loads_from_one_index(donor_dir, tmp_path, monkeypatch):
 
 def test_the_store_index_follows_the_logs(donor_dir, tmp_path):
     """A log that changes (a `donors add`, a retune) is a new index: stat, not content."""
-    import shutil
-
     work = tmp_path / "tiny_resnet"
     shutil.copytree(donor_dir, work)
     before = donors.store_index_path([work])
@@ -177,6 +175,24 @@ def test_the_store_index_follows_the_logs(donor_dir, tmp_path):
     rec.write_bytes(rec.read_bytes())  # the same content, written again
     assert donors.store_index_path([work]) != before
     assert donors.store_index_path([work], top_k=3) != donors.store_index_path([work])
+
+
+def test_a_new_store_is_indexed_on_every_core(donor_dir, tmp_path, monkeypatch):
+    """A fresh install's first run indexes its work_dirs one per worker process; the store it
+    reads back is the one a single process parses."""
+    dirs = [donor_dir, tmp_path / "tiny_resnet_copy"]
+    shutil.copytree(donor_dir, dirs[1])
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "one_process"))
+    serial = donors.DonorStore.load(dirs, use_cache=False)
+
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(donors, "host_cores", lambda: 2)
+    monkeypatch.setattr(donors, "index_work_dir", lambda *a, **k: pytest.fail("a log was parsed here"))
+    store = donors.DonorStore.load(dirs)
+    assert [r.id for r in store.records()] == [r.id for r in serial.records()]
+    assert [r.trace_json for r in store.records()] == [r.trace_json for r in serial.records()]
+    assert [(r.network, r.kept, r.skipped) for r in store.reports] == \
+        [(r.network, r.kept, r.skipped) for r in serial.reports]
 
 
 def test_recommend_reports_what_more_time_would_buy(trained, donor_dir, tiny_cnn, tmp_path):

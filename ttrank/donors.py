@@ -26,12 +26,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from joblib import Parallel, delayed
+
 from . import locations
 from .errors import StoreError
 from .features import FEATURE_VERSION, donor_features, pair_features
 from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
-from .target import host_cpu_model, target_key
+from .target import host_cores, host_cpu_model, target_key
 from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_of
 from .workdir import (MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
                       database_files, db_file, is_work_dir, merge_work_dir, network_of, read_manifest, records,
@@ -41,6 +43,7 @@ log = logging.getLogger("ttrank")
 
 INDEX_VERSION = 4  # 3: records with annotations TVM reads as code are skipped; 4: ids by source
 STORE_INDEX_VERSION = 2  # the whole-store index (see _store_index); + INDEX_VERSION and FEATURE_VERSION
+EXPECTED_SKIPS = ("failed trial", "other target")  # skips that say nothing is wrong with a log
 @dataclass
 class DonorRecord:
     """One tuned schedule of one donor kernel, with provenance."""
@@ -127,16 +130,20 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
 
     ``target``: keep only records whose target has the same kind/mcpu/mtriple (None: any).
     """
+    return _index_work_dir(Path(work_dir), network, top_k, target_key(target) if target is not None else None)
+
+
+def _index_work_dir(work_dir: Path, network: str | None, top_k: int, want_target: str | None
+                    ) -> tuple[list[DonorWorkload], LoadReport]:
+    """:func:`index_work_dir` with the target as its key (what a worker process is given)."""
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a log is parsed
 
-    work_dir = Path(work_dir)
     source = network or work_dir.name
     network = network or network_of(work_dir)
     report = LoadReport(str(work_dir), network)
     wl_path, rec_path = database_files(work_dir)
     names = task_names(work_dir)
     manifest = read_manifest(work_dir)
-    want_target = target_key(target) if target is not None else None
 
     workloads: list[DonorWorkload | None] = []
     for lineno, line in workload_lines(work_dir):
@@ -195,9 +202,12 @@ def index_work_dir(work_dir: str | Path, network: str | None = None, top_k: int 
                 break
         report.kept += len(dw.records)
         out.append(dw)
-    if report.skipped:
-        log.warning("%s: skipped %s", work_dir,
-                    ", ".join(f"{n} {why}" for why, n in report.skipped.items()))
+    # failed trials and other targets' records are what any MetaSchedule log holds; the rest is damage
+    damage = {why: n for why, n in report.skipped.items() if why not in EXPECTED_SKIPS}
+    if damage:
+        log.warning("%s: skipped %s", work_dir, ", ".join(f"{n} {why}" for why, n in damage.items()))
+    elif report.skipped:
+        log.info("%s: skipped %s", work_dir, ", ".join(f"{n} {why}" for why, n in report.skipped.items()))
     return out, report
 
 
@@ -403,9 +413,18 @@ def _store_index(dirs: list[Path], top_k: int, target, use_cache: bool
                 return data["workloads"], data["reports"], data["donor_features"]
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, KeyError, TypeError):
             log.info("store index %s unreadable; rebuilding", path)
+    tkey = target_key(target) if target is not None else "any"
+    paths = {d: _index_cache_path(d, top_k, tkey) for d in dirs}  # each hashes its logs: once
+    if use_cache:
+        # a new store (a fresh install: 40 work_dirs, 40 s on one core) is indexed on every core,
+        # one work_dir per worker; the parent then reads the workers' caches
+        todo = [d for d in dirs if not paths[d].exists()]
+        if len(todo) > 1 and host_cores() > 1:
+            Parallel(n_jobs=min(host_cores(), len(todo)))(
+                delayed(_write_index_cache)(str(d), top_k, tkey, str(paths[d])) for d in todo)
     workloads, reports = [], []
     for d in dirs:
-        ws, rep = _cached_index(d, top_k, target, use_cache)
+        ws, rep = _cached_index(d, top_k, target, use_cache, paths[d])
         workloads.extend(ws)
         reports.append(rep)
     store = DonorStore(workloads, reports)
@@ -437,14 +456,34 @@ def _no_gc():
             gc.enable()
 
 
-def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
-                  ) -> tuple[list[DonorWorkload], LoadReport]:
+def _index_cache_path(work_dir: Path, top_k: int, tkey: str) -> Path:
+    """Where the index of ``work_dir``'s logs lives: keyed by their content, ``top_k`` and the
+    target's key ("any": every target)."""
     wl, rec = db_file(work_dir, WORKLOAD_FILE), db_file(work_dir, RECORD_FILE)
     if wl is None or rec is None:
         raise StoreError(f"{work_dir}: not a MetaSchedule work_dir")
-    tkey = target_key(target) if target is not None else "any"
     key = f"v{INDEX_VERSION}-{sha256_of(wl, rec)[:20]}-{top_k}-{tkey.replace('/', '_')}"
-    path = cache_dir() / "index" / f"{work_dir.name}-{key}.json.gz"
+    return cache_dir() / "index" / f"{work_dir.name}-{key}.json.gz"
+
+
+def _write_index_cache(work_dir: str, top_k: int, tkey: str, path: str) -> None:
+    """Index ``work_dir`` into its cache file ``path`` (a worker's job: nothing is returned)."""
+    ws, rep = _index_work_dir(Path(work_dir), None, top_k, None if tkey == "any" else tkey)
+    _save_index(Path(path), ws, rep)
+
+
+def _save_index(path: Path, ws: list[DonorWorkload], rep: LoadReport) -> None:
+    data = {"workloads": [{"network": w.network, "source": w.source, "kernel": _kernel_json(w.kernel),
+                           "workload_json": (json.loads(w.workload_json) if isinstance(w.workload_json, str)
+                                             else w.workload_json),
+                           "records": [r.to_json() for r in w.records]} for w in ws],
+            "report": asdict(rep)}
+    atomic_write_bytes(path, gzip.compress(json.dumps(data).encode(), compresslevel=3))
+
+
+def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool, path: Path
+                  ) -> tuple[list[DonorWorkload], LoadReport]:
+    """``work_dir``'s index, read from its cache file ``path`` or made (and the file written)."""
     if use_cache and path.exists():
         try:
             with gzip.open(path, "rt") as f:
@@ -460,12 +499,7 @@ def _cached_index(work_dir: Path, top_k: int, target, use_cache: bool
         except (OSError, ValueError, KeyError, TypeError):
             log.info("index cache %s unreadable; rebuilding", path)
     ws, rep = index_work_dir(work_dir, top_k=top_k, target=target)
-    data = {"workloads": [{"network": w.network, "source": w.source, "kernel": _kernel_json(w.kernel),
-                           "workload_json": (json.loads(w.workload_json) if isinstance(w.workload_json, str)
-                                             else w.workload_json),
-                           "records": [r.to_json() for r in w.records]} for w in ws],
-            "report": asdict(rep)}
-    atomic_write_bytes(path, gzip.compress(json.dumps(data).encode(), compresslevel=3))
+    _save_index(path, ws, rep)
     return ws, rep
 
 
