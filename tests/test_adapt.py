@@ -89,7 +89,7 @@ def test_adapt_tunes_natively_measures_and_retrains(donor_dir, measurements, tar
                                                     monkeypatch):
     monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's store and ranker
     kw = dict(networks=["tiny_cnn"], trials=8, tune_share=0.5, min_share=0.3, max_per_kernel=3,
-              donor_dirs=[donor_dir], measurement_dirs=[measurements])
+              donor_dirs=[donor_dir], measurement_dirs=[measurements], layout="nchw")
     rep = adapt.adapt(target, 240, **kw)
     assert rep.planned >= 1 and rep.tuned_kernels == rep.planned and rep.collected > 0
     native = donors.native_dir("tiny_cnn", rep.mcpu)

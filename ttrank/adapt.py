@@ -43,6 +43,12 @@ DEFAULT_NETWORKS = ["resnet50", "resnet18", "mobilenetv2", "efficientnetb0", "yo
                     "resnext50", "googlenet", "mnasnet1_0", "unet", "dbnet", "deeplabv3", "vgg16",
                     "bert", "vit_tiny"]
 
+# trials per natively tuned kernel: in the packed layout the search finds its fast region after
+# the first batch of 64 (bench/results/kernel_gap_*.md, 3x3 conv: 2.65 -> 1.79 ms from 64 to 128
+# trials on znver3, blocks of 8, onnxruntime 2.10 ms; on znver5 0.96 -> 0.55 ms by 256), so fewer
+# kernels searched deeper buy more than many stopped at 64
+TRIALS = 128
+
 
 @dataclass
 class PlannedKernel:
@@ -144,11 +150,11 @@ class AdaptReport:
         return asdict(self)
 
 
-def adapt(target, budget_s: float, networks: list[str] | None = None, trials: int = 64,
+def adapt(target, budget_s: float, networks: list[str] | None = None, trials: int = TRIALS,
           tune_share: float = 0.6, train_reserve: float = 0.1, max_per_kernel: int = 6,
           min_share: float = 0.01, retrain: bool = True, donor_dirs: list[Path] | None = None,
           measurement_dirs: list[Path] | None = None,
-          on_note: Callable[[str], None] | None = None, layout: str = "nchw") -> AdaptReport:
+          on_note: Callable[[str], None] | None = None, layout: str = "nchwc") -> AdaptReport:
     """Spend ``budget_s`` on this CPU: native tuning (``tune_share`` of it), cross-measurements
     (the rest, less ``train_reserve`` kept for retraining), then retrain the ranker.
 
@@ -157,7 +163,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     ``donor_dirs`` (default: the store's) and ``measurement_dirs`` (default: the shipped tables
     and the user's) are what the plan weighs and the ranker learns from; this CPU's new rows
     always go to the user's tables. ``layout``: the zoo networks' conv layout, for tuning and
-    measuring (nchwc: packed convs, for `recommend --layout nchwc`).
+    measuring (nchwc, the default: packed convs, as `recommend --layout auto` packs a CNN).
     """
     note = on_note or (lambda line: None)
     t0 = time.time()

@@ -716,13 +716,14 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--budget-minutes", type=float, default=60.0)
     ad.add_argument("--networks", nargs="+", default=None,
                     help=f"zoo networks whose kernels to weigh (default: {' '.join(adapt.DEFAULT_NETWORKS)})")
-    ad.add_argument("--trials", type=int, default=64, help="trials per natively tuned kernel")
+    ad.add_argument("--trials", type=int, default=adapt.TRIALS, help="trials per natively tuned kernel")
     ad.add_argument("--tune-share", type=float, default=0.6, help="share of the budget for tuning")
     ad.add_argument("--max-per-kernel", type=int, default=6, help="candidates measured per kernel")
     ad.add_argument("--no-train", action="store_true", help="do not retrain the ranker")
-    ad.add_argument("--layout", choices=list(LAYOUTS), default="nchw",
-                    help="tune and measure the networks with their convs in this layout (nchwc: "
-                         "for `recommend --layout nchwc`)")
+    ad.add_argument("--layout", choices=list(LAYOUTS), default="nchwc",
+                    help="tune and measure the networks with their convs in this layout (nchwc, the "
+                         "default: what `recommend --layout auto` packs a CNN into; nchw: for "
+                         "`recommend --layout nchw`)")
     ad.add_argument("--target", default=None)
     ad.set_defaults(func=cmd_adapt)
 
