@@ -455,9 +455,9 @@ def load_results(path: Path) -> dict:
 
 
 def save(path: Path, res: dict) -> None:
-
     atomic_write_json(path, res)
     atomic_write_text(path.with_suffix(".md"), markdown(res))
+    write_summary(path.parent)  # the every-CPU table follows
 
 
 def _fmt(v, nd=3) -> str:
@@ -516,6 +516,60 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ort_ratio(ms: float | None, kinfo: dict) -> float | None:
+    ort_ms = (kinfo.get("ort") or {}).get("ort_node_ms")
+    return ms / ort_ms if ms and ort_ms else None
+
+
+def summary_markdown(results: dict[str, dict]) -> str:
+    """Every CPU's table in one (``bench/results/kernel_gap.md``): per kernel and lever, the
+    re-measured time over onnxruntime's node time after the first batch (64 trials) and at the
+    deepest point measured, and the gain of the lever over plain NCHW at equal depth."""
+    cpus = sorted(results)
+    lines = ["# Kernel gap to onnxruntime, every CPU measured (issue #19 item 1)", "",
+             "Written by `python bench/kernel_gap.py --summary` from " +
+             ", ".join(f"`kernel_gap_{c}.json`" for c in cpus) + " (the per-CPU tables hold the curves). "
+             "Each cell: this lever's kernel time (re-measured with every runtime thread) / onnxruntime's "
+             "own time for the node, after 64 trials -> at the deepest point (its trials); "
+             "`x nchw`: the plain NCHW search's time over this lever's at that depth. Under 1.00 "
+             "beats onnxruntime.", "",
+             "| kernel | lever | " + " | ".join(f"{c}: /ort 64 -> deepest | x nchw" for c in cpus) + " |",
+             "|---|---|" + "---|---|" * len(cpus)]
+    names = list(dict.fromkeys(n for r in results.values() for n in r["kernels"]))
+    for name in names:
+        for lever in KERNEL_LEVERS:
+            row, any_cell = [], False
+            for cpu in cpus:
+                res = results[cpu]
+                c, kinfo = res["cells"].get(f"{name}/{lever}"), res["kernels"].get(name, {})
+                if not c or not c["curve"]:
+                    row += ["", ""]
+                    continue
+                any_cell = True
+                by = {p["trials"]: p.get("remeasured_ms") or p["best_ms"] for p in c["curve"]}
+                deep = max(by)
+                plain = {p["trials"]: p.get("remeasured_ms") or p["best_ms"]
+                         for p in (res["cells"].get(f"{name}/depth") or {}).get("curve", [])}
+                first = _ort_ratio(by.get(64), kinfo)
+                row.append(f"{_fmt(first, 2)} -> {_fmt(_ort_ratio(by[deep], kinfo), 2)} ({deep})")
+                row.append(_fmt(plain[deep] / by[deep], 2) if lever != "depth" and plain.get(deep) else "")
+            if any_cell:
+                lines.append(f"| {name} | {lever} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(out_dir: Path) -> Path | None:
+    """``kernel_gap.md`` beside the per-CPU results in ``out_dir``, from all of them (None: there
+    are none)."""
+    results = {p.stem.removeprefix("kernel_gap_"): json.loads(p.read_text())
+               for p in sorted(out_dir.glob("kernel_gap_*.json"))}
+    if not results:
+        return None
+    path = out_dir / "kernel_gap.md"
+    atomic_write_text(path, summary_markdown(results))
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default=",".join(KERNELS), help=f"from {','.join(KERNELS)}")
@@ -530,7 +584,15 @@ def main(argv=None) -> int:
                     "for an --out in bench/results, else kernel_gap_work beside --out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ort", action="store_true", help="skip onnxruntime's profiles")
+    ap.add_argument("--summary", action="store_true",
+                    help="only write kernel_gap.md, every CPU's results in one table (no measuring)")
     args = ap.parse_args(argv)
+    if args.summary:
+        where = Path(args.out).parent if args.out else results_dir()
+        if (path := write_summary(where)) is None:
+            ap.error(f"no kernel_gap_<cpu>.json in {where}")
+        print(path)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
 

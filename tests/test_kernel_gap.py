@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -153,3 +154,26 @@ def test_onnxruntime_node_matching(kind):
                  {"op": "MatMul", "inputs": [[1, 12, 256, 64], [1, 12, 64, 256]],
                   "outputs": [[1, 12, 256, 256]]}]
         assert kg.match_nodes(nodes, op) == nodes[:1]
+
+
+def test_kernel_gap_summary_puts_every_cpu_in_one_table(tmp_path):
+    """bench/results/kernel_gap.md: per kernel and lever, each CPU's time over onnxruntime's
+    after the first batch and at the deepest point, and the lever's gain over plain NCHW."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import kernel_gap as kg
+
+    def cell(curve):
+        return {"curve": [{"trials": t, "best_ms": ms, "remeasured_ms": ms} for t, ms in curve]}
+
+    def cpu(plain, packed):
+        return {"kernels": {"conv3x3": {"ort": {"ort_node_ms": 2.0}}},
+                "cells": {"conv3x3/depth": cell(plain), "conv3x3/nchwc": cell(packed)}, "networks": {}}
+
+    (tmp_path / "kernel_gap_znver3.json").write_text(json.dumps(cpu([(64, 4.0), (128, 3.0)], [(64, 3.0), (128, 1.5)])))
+    (tmp_path / "kernel_gap_znver5.json").write_text(json.dumps(cpu([(64, 2.0)], [(64, 1.0)])))
+    text = kg.write_summary(tmp_path).read_text()
+    assert "znver3: /ort 64 -> deepest" in text and "znver5: /ort 64 -> deepest" in text
+    # znver3: packed 3.0 -> 1.5 ms against 2.0, twice as fast as NCHW at 128 trials; znver5: 0.5 at 64
+    assert "| conv3x3 | nchwc | 1.50 -> 0.75 (128) | 2.00 | 0.50 -> 0.50 (64) | 2.00 |" in text
+    assert "| conv3x3 | depth | 2.00 -> 1.50 (128) |  | 1.00 -> 1.00 (64) |  |" in text
+    assert kg.write_summary(tmp_path / "nothing_here") is None
