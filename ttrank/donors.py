@@ -44,6 +44,8 @@ log = logging.getLogger("ttrank")
 INDEX_VERSION = 4  # 3: records with annotations TVM reads as code are skipped; 4: ids by source
 STORE_INDEX_VERSION = 2  # the whole-store index (see _store_index); + INDEX_VERSION and FEATURE_VERSION
 EXPECTED_SKIPS = ("failed trial", "other target")  # skips that say nothing is wrong with a log
+
+
 @dataclass
 class DonorRecord:
     """One tuned schedule of one donor kernel, with provenance."""
