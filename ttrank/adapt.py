@@ -43,11 +43,13 @@ DEFAULT_NETWORKS = ["resnet50", "resnet18", "mobilenetv2", "efficientnetb0", "yo
                     "resnext50", "googlenet", "mnasnet1_0", "unet", "dbnet", "deeplabv3", "vgg16",
                     "bert", "vit_tiny"]
 
-# trials per natively tuned kernel: in the packed layout the search finds its fast region after
-# the first batch of 64 (bench/results/kernel_gap_*.md, 3x3 conv: 2.65 -> 1.79 ms from 64 to 128
-# trials on znver3, blocks of 8, onnxruntime 2.10 ms; on znver5 0.96 -> 0.55 ms by 256), so fewer
-# kernels searched deeper buy more than many stopped at 64
-TRIALS = 128
+# trials per natively tuned kernel. 128 was tried (znver2, 60 min): the packed search sometimes
+# finds its fast region after the first batch of 64 (kernel_gap: 3x3 conv 2.65 -> 1.79 ms on znver3),
+# but over the 8 kernels that got both batches the second 64 trials bought 1.11x (geometric mean of the
+# best-so-far: 1.36x and 1.42x on two, nothing on five) at twice the time a kernel (up to 5 min
+# for a 40 ms conv), and ResNet-18's and ResNet-50's kernels were never reached. Depth is for the
+# donors tuned once for everyone (bench/tune_donors.py), breadth for the user's hour.
+TRIALS = 64
 
 
 @dataclass
