@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import ttrank
-from ttrank import donors, frontend, zoo
+from ttrank import donors, frontend, util, zoo
 from ttrank.collect import Dataset
 from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
@@ -186,7 +186,7 @@ def test_a_new_store_is_indexed_on_every_core(donor_dir, tmp_path, monkeypatch):
     serial = donors.DonorStore.load(dirs, use_cache=False)
 
     monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(donors, "host_cores", lambda: 2)
+    monkeypatch.setattr(util, "host_cores", lambda: 2)
     monkeypatch.setattr(donors, "index_work_dir", lambda *a, **k: pytest.fail("a log was parsed here"))
     store = donors.DonorStore.load(dirs)
     assert [r.id for r in store.records()] == [r.id for r in serial.records()]

@@ -26,15 +26,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from joblib import Parallel, delayed
-
 from . import locations
 from .errors import StoreError
 from .features import FEATURE_VERSION, donor_features, pair_features
 from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
-from .target import host_cores, host_cpu_model, target_key
-from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_of
+from .target import host_cpu_model, target_key
+from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, fill_caches, sha256_of
 from .workdir import (MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
                       database_files, db_file, is_work_dir, merge_work_dir, network_of, read_manifest, records,
                       task_names, workload_lines)
@@ -418,12 +416,9 @@ def _store_index(dirs: list[Path], top_k: int, target, use_cache: bool
     tkey = target_key(target) if target is not None else "any"
     paths = {d: _index_cache_path(d, top_k, tkey) for d in dirs}  # each hashes its logs: once
     if use_cache:
-        # a new store (a fresh install: 40 work_dirs, 40 s on one core) is indexed on every core,
-        # one work_dir per worker; the parent then reads the workers' caches
-        todo = [d for d in dirs if not paths[d].exists()]
-        if len(todo) > 1 and host_cores() > 1:
-            Parallel(n_jobs=min(host_cores(), len(todo)))(
-                delayed(_write_index_cache)(str(d), top_k, tkey, str(paths[d])) for d in todo)
+        # a new store (a fresh install: 40 work_dirs, 40 s on one core) is indexed on every core;
+        # the parent then reads the workers' caches
+        fill_caches(paths, _write_index_cache, top_k, tkey)
     workloads, reports = [], []
     for d in dirs:
         ws, rep = _cached_index(d, top_k, target, use_cache, paths[d])

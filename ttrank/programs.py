@@ -22,16 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from joblib import Parallel, delayed
 
 from . import locations, zoo
 from .errors import RankerError, TTRankError
 from .kernels import extract
 from .layouts import PACKED_LAYOUTS
 from .ranker import BoosterModel
-from .target import cpu_tensor_intrinsics, host_cores, make_target, target_key
+from .target import cpu_tensor_intrinsics, make_target, target_key
 from .transfer import transfer
-from .util import cache_dir, sha256_of
+from .util import cache_dir, fill_caches, sha256_of
 from .workdir import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE, db_file, network_of, open_database
 
 log = logging.getLogger("ttrank")
@@ -141,12 +140,7 @@ def record_sets(work_dirs: Iterable[str | Path], target) -> list[RecordSet]:
     (one work_dir per worker: minutes each for the zoo's larger logs)."""
     # each path hashes its logs (megabytes): once per work_dir
     paths = {Path(d): _record_set_path(Path(d), target) for d in work_dirs}
-    todo = [d for d, p in paths.items() if not p.exists()]
-    if len(todo) > 1 and host_cores() > 1:
-        spec = json.loads(str(target))
-        Parallel(n_jobs=min(host_cores(), len(todo)))(
-            delayed(_cache_record_set)(str(d), spec, str(paths[d])) for d in todo)
-        todo = [d for d in todo if not paths[d].exists()]
+    todo = fill_caches(paths, _cache_record_set, json.loads(str(target)))
     featurizer = Featurizer(target) if todo else None  # one for the sets left to this process
     return [_record_set(d, target, p, featurizer) for d, p in paths.items()]
 

@@ -21,6 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from joblib import Parallel, delayed
+
+from .target import host_cores
+
 
 def cache_dir() -> Path:
     """User-level cache: $TTRANK_CACHE, else $XDG_CACHE_HOME/ttrank, else ~/.cache/ttrank."""
@@ -342,3 +346,16 @@ def on_sigint(signum, frame) -> None:
             return
         os._exit(130)  # no unwinding through TVM's pools (see above)
     signal.default_int_handler(signum, frame)
+
+
+def fill_caches(paths: dict[Path, Path], job, *args) -> list[Path]:
+    """Make the missing cache files of ``paths`` (source -> its cache file) on every core, one
+    source per worker process: ``job(str(source), *args, str(cache))``. With one missing, or one
+    core, nothing runs here. Returns the sources whose cache is still missing (the caller makes
+    those itself)."""
+    todo = [src for src, cache in paths.items() if not cache.exists()]
+    if len(todo) > 1 and host_cores() > 1:
+        Parallel(n_jobs=min(host_cores(), len(todo)))(
+            delayed(job)(str(src), *args, str(paths[src])) for src in todo)
+        todo = [src for src in todo if not paths[src].exists()]
+    return todo
