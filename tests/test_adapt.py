@@ -36,18 +36,27 @@ def test_the_plan_puts_the_kernels_with_the_largest_share_of_the_zoo_first(donor
         assert p.network in p.networks and p.task and p.workload_class
 
 
-def test_the_tuning_budget_goes_to_the_largest_shares_across_networks():
-    """Not every kernel of the first networks: the kernels the budget reaches, largest share
-    first, one tune per network (in the order of its largest kernel)."""
-    def k(net: str, task: str, share: float) -> adapt.PlannedKernel:
-        return adapt.PlannedKernel(f"{net}/{task}", net, task, "conv2d", share, [net])
+def test_the_tuning_budget_goes_where_it_buys_the_most_share_per_second():
+    """Not every kernel of the first networks, nor a slow conv whose trials cost as much as
+    three matmuls: the kernels the budget reaches, most share per tuning second first, one tune
+    per network (in the order of its first kernel)."""
+    def k(net: str, task: str, share: float, seconds: float) -> adapt.PlannedKernel:
+        return adapt.PlannedKernel(f"{net}/{task}", net, task, "conv2d", share, [net], seconds)
 
-    todo = [k("bert", "mm1", 0.34), k("bert", "mm2", 0.02), k("resnet18", "c1", 0.21),
-            k("resnet18", "c2", 0.01), k("resnet50", "c1", 0.20), k("bert", "mm3", 0.15)]
-    per_kernel = 64 * adapt.SECONDS_PER_TRIAL
-    assert adapt.tuning_batch(todo, 4 * per_kernel, 64) == [
-        ("bert", ["mm1", "mm3"]), ("resnet18", ["c1"]), ("resnet50", ["c1"])]
-    # a budget short of one kernel still tunes the largest
+    fast, slow = 0.001, 0.05  # 1 ms and 50 ms a call
+    todo = [k("vgg16", "big", 0.30, slow), k("bert", "mm1", 0.20, fast), k("bert", "mm2", 0.01, fast),
+            k("resnet18", "c1", 0.15, fast), k("resnet50", "c1", 0.12, fast)]
+    assert adapt.trial_seconds(slow) > 2 * adapt.trial_seconds(fast)
+    assert todo[0].gain_per_second() < todo[1].gain_per_second()
+    three = 3 * 64 * adapt.trial_seconds(fast)
+    assert adapt.tuning_batch(todo, three, 64) == [("bert", ["mm1"]), ("resnet18", ["c1"]),
+                                                     ("resnet50", ["c1"])]
+    # the slow conv comes once the budget reaches it; a kernel that does not fit leaves room
+    # for a cheaper one after it
+    assert adapt.tuning_batch(todo, three + 64 * adapt.trial_seconds(slow), 64)[-1] == ("vgg16", ["big"])
+    assert adapt.tuning_batch(todo, 4 * 64 * adapt.trial_seconds(fast), 64) == [
+        ("bert", ["mm1", "mm2"]), ("resnet18", ["c1"]), ("resnet50", ["c1"])]
+    # a budget short of one kernel still tunes the best buy
     assert adapt.tuning_batch(todo, 1.0, 64) == [("bert", ["mm1"])]
 
 
@@ -74,7 +83,7 @@ def test_kernels_a_shipped_set_of_this_cpu_tuned_are_not_tuned_again(tmp_path, m
 def test_time_shares_use_measured_latencies_and_fill_in_the_rest_by_flops(donor_dir, target):
     store = donors.DonorStore.load([donor_dir])
     ks = [w.kernel for w in store.workloads if w.records]
-    known = {ks[0].workload_hash: ks[0].flops / 1e9}  # 1 GFLOP/s: this kernel is very slow
+    known = {ks[0].workload_hash: ks[0].flops / 3e10}  # 30 GFLOP/s: this kernel is slow
     shares = adapt.time_shares(ks, known)
     assert sum(shares.values()) == pytest.approx(1.0)
     rest = [k for k in ks[1:] if k.flops > 0]
@@ -82,6 +91,10 @@ def test_time_shares_use_measured_latencies_and_fill_in_the_rest_by_flops(donor_
     for k in rest:
         assert shares[k.workload_hash] / shares[ks[0].workload_hash] == pytest.approx(
             k.flops * k.weight / (ks[0].flops * ks[0].weight), rel=1e-6)
+    # a rate no conv runs at (a known pooling kernel's) does not make the rest look slow
+    crawl = adapt.kernel_seconds(ks, {ks[0].workload_hash: ks[0].flops / 1e8})
+    for k in rest:
+        assert crawl[k.workload_hash] == pytest.approx(k.flops / 2e10)
 
 
 @pytest.mark.slow

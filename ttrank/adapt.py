@@ -3,7 +3,8 @@ where it buys the most on a CPU the shipped data has not seen.
 
 1. **Native tuning** of the kernels `recommend` meets most: every tunable kernel of the zoo's
    networks, weighted by its share of its network's time (each network counts once) and summed
-   over the networks that have it. The heaviest are tuned with ttrank's resumable `tune` into
+   over the networks that have it. The most share per second of tuning (:func:`trial_seconds`:
+   a slow kernel's trials cost more) is tuned first, with ttrank's resumable `tune` into
    the user's donor store (:func:`ttrank.donors.native_dir`), so `recommend` transfers
    them like any other donor, and a rerun continues where the last one stopped.
 2. **Cross-measurements on this CPU**: `collect` on the same networks, a few candidates per
@@ -62,16 +63,28 @@ class PlannedKernel:
     workload_class: str
     share: float  # summed over networks, each network's kernels summing to 1
     networks: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # one call's estimated time (its donor run's best, else by FLOPs)
+
+    def gain_per_second(self, trials: int = TRIALS) -> float:
+        """Its share per second of tuning it: what the budget buys by tuning this kernel,
+        if native tuning speeds every kernel up alike (nothing known says otherwise)."""
+        return self.share / (trials * trial_seconds(self.seconds))
+
+
+def kernel_seconds(kernels: list[Kernel], known_s: dict[str, float]) -> dict[str, float]:
+    """Each kernel's time for one call: its known latency (``workload_hash -> s``) where there
+    is one, else its FLOPs at the rate the known kernels ran at (kept within what 2 to 64 cores
+    reach, so that a known pooling kernel's low rate does not make every conv look slow)."""
+    flops = sum(k.flops * k.weight for k in kernels if k.workload_hash in known_s)
+    secs = sum(known_s[k.workload_hash] * k.weight for k in kernels if k.workload_hash in known_s)
+    rate = min(max(flops / secs, 2e10), 2e12) if flops > 0 and secs > 0 else 1e11  # FLOP/s
+    return {k.workload_hash: known_s.get(k.workload_hash, k.flops / rate) for k in kernels}
 
 
 def time_shares(kernels: list[Kernel], known_s: dict[str, float]) -> dict[str, float]:
-    """Each kernel's share of its network's time: known latencies (``workload_hash -> s``, for
-    one call) where there are some, else FLOPs at the network's measured FLOP rate."""
-    flops = sum(k.flops * k.weight for k in kernels if k.workload_hash in known_s)
-    secs = sum(known_s[k.workload_hash] * k.weight for k in kernels if k.workload_hash in known_s)
-    rate = flops / secs if flops > 0 and secs > 0 else 1e11  # FLOP/s; 100 GFLOP/s if nothing known
-    est = {k.workload_hash: k.weight * (known_s[k.workload_hash] if k.workload_hash in known_s
-                                        else k.flops / rate) for k in kernels}
+    """Each kernel's share of its network's time, from :func:`kernel_seconds`."""
+    secs = kernel_seconds(kernels, known_s)
+    est = {k.workload_hash: k.weight * secs[k.workload_hash] for k in kernels}
     total = sum(est.values()) or 1.0
     return {h: t / total for h, t in est.items()}
 
@@ -79,8 +92,8 @@ def time_shares(kernels: list[Kernel], known_s: dict[str, float]) -> dict[str, f
 def plan(networks: list[str], target, store: DonorStore,
          kernels_of: Callable[[str], list[Kernel]] | None = None,
          layout: str = "nchw") -> list[PlannedKernel]:
-    """The tunable kernels of ``networks`` (their convs in ``layout``), the largest summed time
-    share first."""
+    """The tunable kernels of ``networks`` (their convs in ``layout``), the most share per
+    second of tuning first (:meth:`PlannedKernel.gain_per_second`)."""
     kernels_of = kernels_of or (lambda net: [
         k for k in extract(zoo.load(f"zoo:{net}", layout=layout, target=target).mod, target)
         if k.tunable])
@@ -92,8 +105,8 @@ def plan(networks: list[str], target, store: DonorStore,
     top: dict[str, float] = {}  # the largest single-network share of each workload
     for net in networks:
         ks = kernels_of(net)
-        shares = time_shares(ks, {k.workload_hash: best[(net, k.workload_hash)] for k in ks
-                                  if (net, k.workload_hash) in best})
+        known = {k.workload_hash: best[(net, k.workload_hash)] for k in ks if (net, k.workload_hash) in best}
+        shares, secs = time_shares(ks, known), kernel_seconds(ks, known)
         for k in ks:
             s = shares[k.workload_hash]
             p = out.setdefault(k.workload_hash, PlannedKernel(k.workload_hash, net, k.name,
@@ -103,23 +116,35 @@ def plan(networks: list[str], target, store: DonorStore,
                 p.networks.append(net)
             if s > top.get(k.workload_hash, -1.0):
                 top[k.workload_hash] = s
-                p.network, p.task = net, k.name
-    return sorted(out.values(), key=lambda p: -p.share)
+                p.network, p.task, p.seconds = net, k.name, secs[k.workload_hash]
+    return sorted(out.values(), key=lambda p: -p.gain_per_second())
 
 
-# Seconds per native tuning trial on 2 cores, build and run included (znver5: 3,072 trials of
-# the zoo's kernels in 2,183 s): how many kernels a tuning budget reaches.
-SECONDS_PER_TRIAL = 0.75
+# Seconds a native tuning trial costs on 2 cores, building and running the candidate: a least-
+# squares fit (median error 32%) over the 229 tasks of 32 to 256 trials in the two-thread donor
+# sets tuned on znver1 to znver5, NCHW and packed (datasets/donors/*@*-t2-*/trials.jsonl): 0.4 s
+# a trial for a 0.2 ms matmul, 3.2 s for a 42 ms conv, whose candidates' median runs 5-8x its best.
+TRIAL_BUILD_S = 0.9
+TRIAL_RUN_PER_KERNEL_S = 30.0
 
 
-def tuning_batch(todo: list[PlannedKernel], budget_s: float, trials: int,
-                 seconds_per_trial: float = SECONDS_PER_TRIAL) -> list[tuple[str, list[str]]]:
-    """The largest-share kernels of ``todo`` that ``budget_s`` can tune (at least one), as
-    (network, its tasks) in the order of each network's largest kernel: the budget goes to the
-    kernels that matter most across the zoo, not to every kernel of the first networks."""
-    fit = max(1, int(budget_s // (trials * seconds_per_trial)))
+def trial_seconds(kernel_s: float) -> float:
+    """Seconds one tuning trial of a kernel that runs in ``kernel_s`` at best costs."""
+    return TRIAL_BUILD_S + TRIAL_RUN_PER_KERNEL_S * kernel_s
+
+
+def tuning_batch(todo: list[PlannedKernel], budget_s: float, trials: int) -> list[tuple[str, list[str]]]:
+    """The kernels of ``todo`` that ``budget_s`` can tune, the most share per tuning second
+    first (at least one), as (network, its tasks) in the order of each network's first kernel:
+    the budget goes where it buys the most across the zoo, not to every kernel of the first
+    networks, nor to a few slow convs a cheap matmul's worth of share could have bought."""
     out: dict[str, list[str]] = {}
-    for p in sorted(todo, key=lambda p: -p.share)[:fit]:
+    spent = 0.0
+    for p in sorted(todo, key=lambda p: -p.gain_per_second(trials)):
+        cost = trials * trial_seconds(p.seconds)
+        if out and spent + cost > budget_s:
+            continue  # a cheaper kernel further down may still fit
+        spent += cost
         out.setdefault(p.network, []).append(p.task)
     return list(out.items())
 
@@ -199,9 +224,10 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
                                                    "plan": [asdict(p) for p in todo]})
         rep.planned = len(todo)
         note(f"{len(todo)} kernels carry at least {min_share:.0%} of a zoo network's time on "
-             f"{len(networks)} networks; tuning the largest natively ({trials} trials each)")
+             f"{len(networks)} networks; tuning natively ({trials} trials each) those that buy "
+             "the most share per tuning second")
 
-        # 1. native tuning: the largest shares first, as many as the time left reaches, grouped
+        # 1. native tuning: the most share per tuning second first, as many as the time left reaches, grouped
         # by network (one tune per network and batch); then the next batch
         tune_end = t0 + tune_share * budget_s
         tuned = _tuned(todo, mcpu, layout, trials)
