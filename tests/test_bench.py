@@ -1,25 +1,13 @@
 """The benchmarks' arithmetic, on hand-made inputs (no measuring)."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from ttrank import paper as paper_table
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-@pytest.fixture(scope="module")
-def paper_table():
-    """bench/paper_table.py as a module (a script, not on any import path)."""
-    spec = importlib.util.spec_from_file_location("paper_table", BENCH / "paper_table.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["paper_table"] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("paper_table", None)
 
 
 def _run(**over) -> dict:
@@ -50,7 +38,7 @@ def _run(**over) -> dict:
     return run
 
 
-def test_top_k_is_the_fastest_of_the_first_k_ranks(paper_table):
+def test_top_k_is_the_fastest_of_the_first_k_ranks():
     row = paper_table.row_of(_run())
     lat = row["latency_ms"]
     assert lat["untuned"] == pytest.approx(2 * 100 + 50)
@@ -71,7 +59,7 @@ def test_top_k_is_the_fastest_of_the_first_k_ranks(paper_table):
     assert row["ort_latency_ratio_top3"] == pytest.approx(2.0)
 
 
-def test_metaschedule_time_to_match_is_a_lower_bound_when_never_reached(paper_table):
+def test_metaschedule_time_to_match_is_a_lower_bound_when_never_reached():
     row = paper_table.row_of(_run())
     # exhaustive (4.5 ms) beats the log's best (5 ms): the whole log is only a lower bound
     assert row["metaschedule_time_ratio"]["exhaustive"]["lower_bound"] is True
@@ -80,17 +68,17 @@ def test_metaschedule_time_to_match_is_a_lower_bound_when_never_reached(paper_ta
     assert row["metaschedule_time_ratio"]["top1"]["value"] > 0
 
 
-def test_a_schedule_picked_twice_counts_its_faster_measurement(paper_table):
+def test_a_schedule_picked_twice_counts_its_faster_measurement():
     run = _run()
     run["chosen"]["sample_best"]["conv"] = {"record": "rank2-conv"}  # the sample's best is rank 2
     row = paper_table.row_of(run)
     assert row["latency_ms"]["top3"] == pytest.approx(2 * 2.2 + 1.5)
 
 
-def test_runs_of_an_older_protocol_are_left_out_of_the_table(paper_table, tmp_path, monkeypatch):
+def test_runs_of_an_older_protocol_are_left_out_of_the_table(tmp_path, monkeypatch):
     import json
 
-    monkeypatch.setattr(paper_table, "RUNS", tmp_path)
+    monkeypatch.setattr(paper_table, "runs_dir", lambda: tmp_path)
     (tmp_path / "resnet18.json").write_text(json.dumps(_run(version=1)))
     (tmp_path / "vgg16.json").write_text(json.dumps(_run()))
     table = paper_table.build_table(["resnet18", "vgg16"])
@@ -99,10 +87,10 @@ def test_runs_of_an_older_protocol_are_left_out_of_the_table(paper_table, tmp_pa
         table["networks"]["vgg16"]["pct_max_speedup"]["top3"])
 
 
-def test_averages_are_also_taken_over_long_runs_on_this_machine(paper_table, tmp_path, monkeypatch):
+def test_averages_are_also_taken_over_long_runs_on_this_machine(tmp_path, monkeypatch):
     import json
 
-    monkeypatch.setattr(paper_table, "RUNS", tmp_path)
+    monkeypatch.setattr(paper_table, "runs_dir", lambda: tmp_path)
     here = {"mcpu": "znver4", "threads": 2}
     # resnet18's MetaSchedule ran 200 trials per task here; vgg16's 64 on another CPU, 3x slower
     (tmp_path / "resnet18.json").write_text(json.dumps(_run(provenance=here, log_cpus=["znver4"], log_threads=2,

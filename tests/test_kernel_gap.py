@@ -1,15 +1,16 @@
-"""The packed NCHW[x]c conv lever (ttrank.layouts) and the kernel-gap driver's plumbing."""
+"""The packed NCHW[x]c conv lever (ttrank.layouts) and the kernel-gap benchmark's plumbing
+(ttrank.kernelgap)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ttrank import frontend, kernels, layouts, runtime
+from ttrank import kernelgap as kg
 from ttrank.target import make_target
 from ttrank.zoo import GraphBuilder
 
@@ -119,9 +120,6 @@ def test_block_size_and_lanes():
 
 def test_kernel_gap_one_op_models_are_the_zoo_kernels():
     """The driver's one-op models rebuild the zoo's kernels exactly (same TIR hash)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import kernel_gap as kg
-
     target = make_target()
     spec = kg.KERNELS["conv1x1"]
     lm = kg.load_onnx(kg.one_op_model(spec["op"]), "conv1x1")
@@ -133,9 +131,6 @@ def test_kernel_gap_one_op_models_are_the_zoo_kernels():
 
 @pytest.mark.parametrize("kind", ["conv", "dense"])
 def test_onnxruntime_node_matching(kind):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import kernel_gap as kg
-
     if kind == "conv":
         op = kg.KERNELS["conv3x3"]["op"]
         out = [[1, 128, 28, 28]]
@@ -159,9 +154,6 @@ def test_onnxruntime_node_matching(kind):
 def test_kernel_gap_summary_puts_every_cpu_in_one_table(tmp_path):
     """bench/results/kernel_gap.md: per kernel and lever, each CPU's time over onnxruntime's
     after the first batch and at the deepest point, and the lever's gain over plain NCHW."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import kernel_gap as kg
-
     def cell(curve):
         return {"curve": [{"trials": t, "best_ms": ms, "remeasured_ms": ms} for t, ms in curve]}
 
