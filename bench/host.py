@@ -70,9 +70,12 @@ def user_cache(path: Path):
             os.environ["TTRANK_CACHE"] = before
 
 
-def one(net: str, layout: str = "nchw") -> dict:
+def one(net: str, layout: str = "nchw", phase: str = "") -> dict:
+    # each phase's report is kept apart (bench/work/reports/host-<mcpu>-<phase>-<net>.json): why a
+    # network got slower after the adaptation is in the kernels both phases chose
     with tempfile.TemporaryDirectory(prefix="ttrank-host-") as tmp:
-        report, wall, _, cmd = run_recommend(net, Path(tmp), extra=("--layout", layout))
+        report, wall, _, cmd = run_recommend(net, Path(tmp), extra=("--layout", layout),
+                                             report_name=f"host-{host_mcpu()}-{phase}-{net}")
     lat = report["model_latency_ms"]
     return {"ttrank_ms": lat["tuned"], "onnxruntime_ms": lat.get("onnxruntime"),
             "ort_ratio": lat["tuned"] / lat["onnxruntime"] if lat.get("onnxruntime") else None,
@@ -143,7 +146,7 @@ def main() -> int:
                     return False
                 print(f"{phase}: {net}", flush=True)
                 try:
-                    res[phase]["networks"][net] = one(net, args.layout)
+                    res[phase]["networks"][net] = one(net, args.layout, phase)
                 except RuntimeError as e:  # recommend failed: say so in the table, go on
                     res[phase]["networks"][net] = {"ort_ratio": None, "error": str(e)[-1500:]}
                 save()

@@ -128,9 +128,11 @@ def warm_leave_one_out(net: str) -> None:
 
 
 def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False,
-                  extra: tuple[str, ...] = ()) -> tuple[dict, float, int, list[str]]:
+                  extra: tuple[str, ...] = (), report_name: str | None = None
+                  ) -> tuple[dict, float, int, list[str]]:
     """``ttrank recommend zoo:NET --leave-one-out`` as a user runs it, with a fresh data dir in
-    ``tmp``: (the --json report, wall seconds, processes paused, the command)."""
+    ``tmp``: (the --json report, wall seconds, processes paused, the command). The whole report
+    is kept as bench/work/reports/``report_name``.json (default: NET)."""
     rep_path = tmp / "report.json"
     cmd = ["ttrank", "recommend", f"zoo:{net}", "--leave-one-out", "--no-progress",
            "--data-dir", str(tmp / "data"), "-o", str(tmp / f"{net}.so"), "--json", str(rep_path)]
@@ -151,7 +153,7 @@ def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = F
     report = json.loads(rep_path.read_text())
     # the whole report (per kernel: candidates, rejections, tuning) outlives the temp dir: the
     # summaries in bench/results say what happened, this says why
-    atomic_write_json(kept_measurements_dir().parent / "reports" / f"{net}.json", report)
+    atomic_write_json(kept_measurements_dir().parent / "reports" / f"{report_name or net}.json", report)
     return report, wall, paused, cmd
 
 
