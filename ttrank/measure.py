@@ -111,6 +111,7 @@ class Built(NamedTuple):
 
     path: str
     once_s: float | None = None
+    build_s: float | None = None  # the worker's seconds for it: compile, export, output check
 
 
 def _build_export(mod, target, artifact_dir: str, keep: bool = False) -> str:
@@ -380,12 +381,17 @@ class WarmPoolBuilder(PyBuilder):
 
     def _map(self, fn: Callable, args: list) -> list:
         """``fn`` over ``args`` on the pool's workers, as ``map_with_error_catching`` gives them,
-        each finished one's value unwrapped from its timing (added to :attr:`busy_s`)."""
+        each finished one's value unwrapped from its timing (added to :attr:`busy_s`); a
+        :class:`Built` value (alone or first of a pair) keeps its own as ``build_s``."""
         out = []
         for r in self.pool.map_with_error_catching(lambda a: _timed(fn, *a), args):
             if r.status == StatusKind.COMPLETE:
                 value, secs = r.value
                 self.busy_s += secs
+                if isinstance(value, Built):
+                    value = value._replace(build_s=secs)
+                elif isinstance(value, tuple) and value and isinstance(value[0], Built):
+                    value = (value[0]._replace(build_s=secs), *value[1:])
                 r = r._replace(value=value)
             out.append(r)
         return out
@@ -637,6 +643,7 @@ class Measurement:
     error: str = ""
     all_secs: list[float] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # RPC: the device of each run, in order
+    build_s: float | None = None  # its build's seconds in a pool worker (check included)
 
     @property
     def ok(self) -> bool:
@@ -912,6 +919,8 @@ class Measurer:
             else:
                 out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""),
                                      devices=devices[i])
+        for i in idx:  # where the measuring time went, per candidate
+            out[i].build_s = built[i][1].build_s
         for p in paths:
             _rm(p)
         self.seconds["run"] += time.time() - t1

@@ -19,12 +19,14 @@ UNTUNED = "untuned"  # the record id of a kernel's own, untuned, schedule
 
 def row(network: str, kernel, status: str, latency_s: float | None, reason: str, provenance: dict,
         transferred=None, *, untuned_s: float | None = None, scores: tuple | None = None,
-        pool: str | None = None, target_key: str | None = None, devices: list | None = None) -> dict:
+        pool: str | None = None, target_key: str | None = None, devices: list | None = None,
+        build_s: float | None = None) -> dict:
     """One line of the table: the untuned kernel when ``transferred`` is None, else a
     transferred donor schedule (a :class:`ttrank.transfer.Transferred`). ``scores``:
     (ranker score, cost-model score) when a ranking chose it; ``pool``: which sample the
     collector drew it from; ``target_key``: the target the run compiled for; ``devices``: on
-    a fleet, the device that ran each timed pass (:class:`ttrank.fleet.FleetRunner`)."""
+    a fleet, the device that ran each timed pass (:class:`ttrank.fleet.FleetRunner`);
+    ``build_s``: its build's seconds (compile and output check), where measuring time went."""
     r = {"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
          "class": kernel.workload_class}
     if transferred is None:
@@ -46,6 +48,8 @@ def row(network: str, kernel, status: str, latency_s: float | None, reason: str,
         r["target_key"] = target_key
     if devices:
         r["devices"] = list(devices)
+    if build_s is not None:
+        r["build_s"] = round(build_s, 3)
     return r
 
 

@@ -526,7 +526,8 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
             r = fresh[id(p)] = measurements.row(
                 network, k, m.status if not m.ok else "ok", m.latency_s, m.error, stamp["provenance"],
                 p.transferred, untuned_s=reports[k.name].untuned_s, scores=(c.score, c.cost_score),
-                target_key=stamp["target_key"], devices=m.devices)  # devices: a fleet's, that ran it
+                target_key=stamp["target_key"], devices=m.devices,  # devices: a fleet's, that ran it
+                build_s=m.build_s)
             rows.append(r)
             note_best(k, r)
         append_jsonl(table, rows)
@@ -558,6 +559,7 @@ def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: Ke
         c = p.candidate
         rep.measured.append({"donor": c.record.id, "rank": pos, "score": c.score,
                              "cost_score": c.cost_score, "status": r["status"], "latency_s": r["latency_s"],
+                             **({"build_s": r["build_s"]} if r.get("build_s") is not None else {}),
                              **({"same_program": p.same_program} if p.same_program else {})})
         if r["status"] != "ok":
             if (c.record.id, r.get("reason")) not in rep.rejections:
