@@ -16,6 +16,11 @@ Each recommend times its compiled model in alternation with onnxruntime (its own
 is done for this CPU; other CPUs' results are kept under ``other_cpus``. The caches live under
 bench/work/host/<mcpu>/.
 
+The CPU is held out of the shipped data first (:func:`ttrank.holdout.hold_out_cpu`): donor sets
+tuned on it, its measurement rows and the ranker's knowledge of it are left out of the data home
+every step uses (bench/work/host/<mcpu>/shipped-home), so a machine whose rows were published by
+an earlier run is still a CPU the data has never seen. What was left out is in ``held_out``.
+
 ``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
 ``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
 ``adapted@L`` and ``adaptation@L``, with caches of their own. ``--label X`` keeps a rerun after
@@ -37,6 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from ttrank.adapt import adapted
+from ttrank.holdout import hold_out_cpu
+from ttrank.locations import using_home
 from ttrank.bench import head_commit, ranker_id, results_dir, run_recommend
 from ttrank.target import host_mcpu, make_target, provenance
 from ttrank.util import atomic_write_json
@@ -130,6 +137,18 @@ def main() -> int:
             res[phase] = {"networks": {}, "retimed_at": head_commit(),
                           "earlier": [*old_phase.pop("earlier", []), old_phase]}
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+    held = hold_out_cpu(mcpu, work / "shipped-home")
+    print(f"held out of the shipped data: {held.rows} rows and {len(held.sets)} donor sets of {mcpu}"
+          f"{', ranker refitted without them' if held.retrained else ''}", flush=True)
+    # the phases' record of it: a later rerun (new shipped data) may hold out something else
+    res.setdefault(f"held_out{tag}", {k: v for k, v in held.to_json().items() if k != "home"})
+    with using_home(held.home):
+        return run(args, res, tag, mcpu, work, deadline)
+
+
+def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, deadline: float | None) -> int:
+    """The three phases, with the data home that holds this CPU out."""
+    shipped, adapted_phase, adaptation = f"shipped{tag}", f"adapted{tag}", f"adaptation{tag}"
 
     def save() -> None:
         for phase in (shipped, adapted_phase):  # a retimed phase's summary is of its new runs

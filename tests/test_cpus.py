@@ -13,14 +13,16 @@ import time
 import numpy as np
 import pytest
 
-from ttrank import collect, donors
+from ttrank import collect, donors, locations
 from ttrank.cli import main
 from ttrank.collect import Dataset
 from ttrank.errors import RankerError
 from ttrank.evaluate import leave_one_cpu_out, per_cpu
 from ttrank.features import CPU_NAMES, FEATURE_NAMES, cpu_features
+from ttrank.holdout import hold_out_cpu, row_cpu, tuned_on
 from ttrank.ranker import Ranker, meta_path
 from ttrank.target import cpu_busy_now, cpu_description, host_mcpu, provenance
+from ttrank.util import read_jsonl
 
 
 def test_cpu_facts_come_from_llvm_for_any_cpu_name(capfd):
@@ -245,3 +247,30 @@ def test_busy_means_work_running_now_not_a_minute_ago():
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_a_cpu_held_out_of_the_shipped_data_is_one_it_has_never_seen(tmp_path):
+    """bench/host.py's "CPU never seen" on a machine whose rows were already published: the
+    view of the data home leaves out its rows, its donor sets and the ranker's knowledge of it."""
+    shipped = Ranker.load(locations.shipped_ranker())
+    cpus = shipped.metadata.get("data_cpus") or {}
+    if len(cpus) < 2:
+        pytest.skip("the shipped ranker learned one CPU")
+    mcpu = min(cpus, key=cpus.get)  # the CPU with the fewest rows: the quickest refit
+    root = locations.shipped_donors(required=True)
+    tuned_there = {d.name for d in root.iterdir() if d.is_dir() and tuned_on(d, mcpu)}
+
+    held = hold_out_cpu(mcpu, tmp_path / "home")
+    assert set(held.sets) == tuned_there and held.retrained and held.rows > 0
+    with locations.using_home(held.home):
+        assert {d.name for d in donors.shipped_work_dirs()}.isdisjoint(tuned_there)
+        rows = [r for p in locations.shipped_measurements().glob("*.jsonl") for r in read_jsonl(p)]
+        assert len(rows) == held.rows_kept and all(row_cpu(r) != mcpu for r in rows)
+        ranker = Ranker.load(locations.shipped_ranker())
+        assert mcpu not in ranker.metadata["data_cpus"] and set(ranker.metadata["data_cpus"]) == set(cpus) - {mcpu}
+        assert (locations.data_home() / "bench").resolve() == (locations.CHECKOUT / "bench").resolve()
+    # the shipped data is untouched, and the view is reused while it does not change
+    assert Ranker.load(locations.shipped_ranker()).metadata["data_cpus"] == cpus
+    stamp = (held.home / "models" / "ranker.json").stat().st_mtime_ns
+    assert hold_out_cpu(mcpu, tmp_path / "home").fingerprint == held.fingerprint
+    assert (held.home / "models" / "ranker.json").stat().st_mtime_ns == stamp

@@ -9,7 +9,9 @@ caches) lives under :func:`ttrank.util.cache_dir` either way.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import TTRankError
@@ -36,6 +38,20 @@ def data_home(required: bool = True) -> Path | None:
                             f"repository (no datasets/ there) and {HOME_ENV} is not set; set "
                             f"{HOME_ENV} to a folder holding datasets/ and models/ (a checkout)")
     return None
+
+
+@contextlib.contextmanager
+def using_home(path: str | Path) -> Iterator[Path]:
+    """Run with ``path`` as the data home (``$TTRANK_HOME``), for this process and its children."""
+    before = os.environ.get(HOME_ENV)
+    os.environ[HOME_ENV] = str(path)
+    try:
+        yield Path(path)
+    finally:
+        if before is None:
+            os.environ.pop(HOME_ENV, None)
+        else:
+            os.environ[HOME_ENV] = before
 
 
 def _under(*parts: str, required: bool) -> Path | None:
