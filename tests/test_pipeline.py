@@ -4,6 +4,7 @@ train the XGBoost ranker, rank without measuring, recommend, learn from the run.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_net
 from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
 from ttrank.ranker import Ranker, meta_path
 from ttrank.ranking import policy_of
+from ttrank.workdir import write_build_seconds
 
 
 from conftest import _collect_tiny_cnn  # noqa: E402
@@ -296,6 +298,25 @@ def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_p
             assert not k.measured and "budget" in k.why
     assert res.provenance["candidates_left_unmeasured"] > 0
     assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_a_record_known_to_compile_slowly_is_measured_only_as_a_first_pick(trained, donor_dir, tiny_cnn, tmp_path):
+    """A donor set's build_seconds.json (bench/build_seconds.py) says which records take long to
+    compile; recommend leaves those out of a kernel's shortlist unless they lead it."""
+    slow_set = tmp_path / "tiny_resnet"
+    shutil.copytree(donor_dir, slow_set)
+    store = donors.DonorStore.load([slow_set])
+    write_build_seconds(slow_set, {r.trace_hash: 2 * pipeline.SLOW_BUILD_S for r in store.records()}, {})
+    res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([slow_set]),
+                           ranker=Ranker.load(trained), top_k=3, minor_share=0.0, adaptive=False,
+                           data_dir=tmp_path / "data", database_dir=tmp_path / "db",
+                           time_model=False, tune_missing=0)
+    ks = [k for k in res.kernels if k.measured]
+    # (a kernel no donor covers measures samples of MetaSchedule's space instead)
+    assert ks and all(sum(m["donor"].startswith("tiny_resnet/") for m in k.measured) <= 1 for k in ks)
+    assert any("slow build" in why for k in ks for _, why in k.rejections)
+    # where the measuring time went, per candidate
+    assert all(m["build_s"] > 0 for k in ks for m in k.measured if m["status"] == "ok")
 
 
 def test_recommend_on_a_third_party_export_with_dynamic_dims(trained, donor_dir, tmp_path, capsys):

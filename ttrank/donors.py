@@ -34,8 +34,8 @@ from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
 from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, fill_caches, sha256_of
 from .workdir import (MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
-                      database_files, db_file, is_work_dir, merge_work_dir, network_of, read_manifest, records,
-                      task_names, workload_lines)
+                      database_files, db_file, is_work_dir, merge_work_dir, network_of, read_build_seconds,
+                      read_manifest, records, task_names, workload_lines)
 
 log = logging.getLogger("ttrank")
 
@@ -226,6 +226,7 @@ class DonorStore:
         self._by_class: dict[str, list[DonorWorkload]] = defaultdict(list)
         # per record id, :func:`ttrank.features.donor_features` (the store index brings them)
         self._donor_features: dict[str, tuple] = dict(donor_features or {})
+        self._build_seconds: dict[str, float] | None = None
         for w in workloads:
             self._by_anchor[w.kernel.anchor_op].append(w)
             self._by_class[w.kernel.workload_class].append(w)
@@ -259,6 +260,14 @@ class DonorStore:
         return pair_features(target, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank,
                              donor_part=part, target_part=target_part, cpu=cpu,
                              donor_prov=r.provenance)
+
+    def build_seconds(self) -> dict[str, float]:
+        """Each record's measured compile seconds, by trace hash, where its set has them."""
+        if self._build_seconds is None:
+            self._build_seconds = {}
+            for r in self.reports:
+                self._build_seconds.update(read_build_seconds(r.work_dir))
+        return self._build_seconds
 
     @property
     def networks(self) -> list[str]:

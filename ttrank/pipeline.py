@@ -60,6 +60,11 @@ TUNE_MISSING_SECONDS = 120.0
 # same schedules the same: R18 on znver1, 22 schedules measured on both of a pair ran within 0-8%
 # of each other (median 1%), and 3 of the 4 pairs chose the same schedule.
 SIBLING_K = 1
+# a record whose program took longer than this to compile on its own workload (its set's
+# build_seconds.json, bench/build_seconds.py) is measured only as its kernel's first pick: on
+# znver2, three builds of one ResNet-50 record family (7 s to compile, 10 s with the output
+# check, where the rest take 0.1-0.4 s) were 30 of ResNet-18's 54 s of search
+SLOW_BUILD_S = 4.0
 # the command line's default measuring budget: 3 minutes on 2 cores for ResNet-50
 MEASURE_SECONDS = 120.0
 
@@ -230,7 +235,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         with stop_at_safe_points():
             chosen, unmeasured, anytime = _measure(
                 model, kernels, ranked, reports, policy, stage2, cached, target, measurer, table, stamp,
-                measure_budget_s, t0, t_start, progress, phases)
+                measure_budget_s, t0, t_start, progress, phases, store.build_seconds())
         if STOP_REQUESTED.is_set():
             raise KeyboardInterrupt
         t_measure = time.time() - t0
@@ -288,10 +293,12 @@ def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
 def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[Candidate]],
              reports: dict[str, KernelReport], policy: FixedK, stage2: SecondStage | None, cached: dict,
              target, measurer: Measurer, table: Path, stamp: dict, budget_s: float | None, t0: float,
-             t_start: float, progress: Progress, phases: dict[str, float]):
+             t_start: float, progress: Progress, phases: dict[str, float],
+             build_s: dict[str, float] | None = None):
     """Steps 4-5: the untuned kernels, then each kernel's shortlist, measured; the fastest correct
     pick per kernel. Returns (chosen, candidates left unmeasured, the anytime curve); the seconds
-    of its first two parts go to ``phases``."""
+    of its first two parts go to ``phases``. ``build_s``: records' compile seconds by trace hash
+    (:data:`SLOW_BUILD_S`)."""
     t = time.time()
     _measure_untuned(model.name, kernels, measurer, cached, table, reports, stamp)
     phases["measuring_untuned"] = round(time.time() - t, 2)
@@ -307,7 +314,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         # kernels' shortlists are independent, so one thread per core transfers them
         with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
             made = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
-                                               stage2, cached, target), ks)
+                                               stage2, cached, target, build_s or {}), ks)
             for k, (picks[k.name], shares[k.name]) in zip(ks, made):
                 progress("transferring", len(picks), len(kernels), k.name)
 
@@ -367,10 +374,12 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
 
 
 def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: dict[str, KernelReport],
-               policy: FixedK, stage2: SecondStage | None, cached: dict, target
-               ) -> tuple[list[Pick] | None, float]:
+               policy: FixedK, stage2: SecondStage | None, cached: dict, target,
+               build_s: dict[str, float] | None = None) -> tuple[list[Pick] | None, float]:
     """The kernel's candidates to measure (as many as ``policy`` gives it for the ranker's
-    scores and its share of the untuned model), and that share; None when it has no candidate."""
+    scores and its share of the untuned model), and that share; None when it has no candidate.
+    A pick after the first whose record is known to compile slowly (``build_s``, by trace hash)
+    is left out (:data:`SLOW_BUILD_S`)."""
     share = _share(k, reports)
     rep.top_k = policy.bound(share)
     if not ranked:
@@ -393,8 +402,22 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     # change); only minor kernels skip it
     picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
                       _known(k, cached, rep), rep.rejections, [c for c in also if c is not None])
+    picks = [picks[0], *(p for p in picks[1:] if not _slow_build(p, build_s or {}, rep))] if picks else picks
     rep.beside = [p.candidate.record.id for p in picks if p.beside]
     return picks, share
+
+
+def _slow_build(p: Pick, build_s: dict[str, float], rep: KernelReport) -> bool:
+    """Whether a pick (not yet measured) would take over :data:`SLOW_BUILD_S` to build; the
+    report's rejections say so."""
+    if p.row is not None or p.candidate is None:
+        return False
+    secs = build_s.get(p.candidate.record.trace_hash)
+    if secs is None or secs <= SLOW_BUILD_S:
+        return False
+    rep.rejections.append((p.candidate.record.id, f"slow build: its program took {secs:.1f} s to compile "
+                                                   f"(over {SLOW_BUILD_S:g} s), measured only as a first pick"))
+    return True
 
 
 def _sibling_leads(kernels: list[Kernel], reports: dict[str, KernelReport],

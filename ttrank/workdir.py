@@ -23,6 +23,9 @@ WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 TRIALS_FILE = "trials.jsonl"
 MANIFEST_FILE = "tune_manifest.json"
+# per record (by trace hash), the seconds its program took to compile on its own workload
+# (bench/build_seconds.py): recommend keeps the rare very slow builds for a kernel's first pick
+BUILD_FILE = "build_seconds.json"
 # MetaSchedule records a failed build or run as 1e10 s; anything from 1e9 s on is a failure
 FAILED_SECS = 1e9
 
@@ -131,6 +134,22 @@ def read_manifest(work_dir: str | Path) -> dict:
 
 def write_manifest(work_dir: str | Path, manifest: dict) -> None:
     atomic_write_json(Path(work_dir) / MANIFEST_FILE, manifest)
+
+
+def read_build_seconds(work_dir: str | Path) -> dict[str, float]:
+    """``build_seconds.json``'s seconds by record trace hash ({} when absent or unreadable)."""
+    try:
+        return {str(k): float(v) for k, v in
+                json.loads((Path(work_dir) / BUILD_FILE).read_text())["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def write_build_seconds(work_dir: str | Path, seconds: dict[str, float], provenance: dict) -> None:
+    atomic_write_json(Path(work_dir) / BUILD_FILE, {
+        "what": "seconds to compile each record's program on its own workload (tvm.compile, one "
+                "process), by the record's trace hash: python bench/build_seconds.py",
+        "provenance": provenance, "seconds": {k: round(v, 3) for k, v in sorted(seconds.items())}})
 
 
 def merge_work_dir(src: str | Path, dest: str | Path) -> dict[str, int]:
