@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ from ttrank.holdout import hold_out_cpu
 from ttrank.locations import using_home
 from ttrank.bench import head_commit, ranker_id, results_dir, run_recommend
 from ttrank.target import host_mcpu, make_target, provenance
-from ttrank.util import atomic_write_json
+from ttrank.util import atomic_write_json, environ
 from ttrank.zoo import PAPER_NETWORKS, ZOO
 
 OUT = results_dir() / "host.json"
@@ -66,15 +65,8 @@ def user_cache(path: Path):
     if not link.exists():
         path.mkdir(parents=True, exist_ok=True)
         link.symlink_to(shared.resolve(), target_is_directory=True)
-    before = os.environ.get("TTRANK_CACHE")
-    os.environ["TTRANK_CACHE"] = str(path)
-    try:
+    with environ("TTRANK_CACHE", path):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("TTRANK_CACHE", None)
-        else:
-            os.environ["TTRANK_CACHE"] = before
 
 
 def one(net: str, layout: str = "nchw", phase: str = "") -> dict:

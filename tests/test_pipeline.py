@@ -300,12 +300,16 @@ def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_p
     assert res.max_abs_error_vs_onnxruntime < 1e-3
 
 
-def test_a_record_known_to_compile_slowly_is_measured_only_as_a_first_pick(trained, donor_dir, tiny_cnn, tmp_path):
+def test_a_record_known_to_compile_slowly_is_measured_only_as_a_first_pick(trained, donor_dir, tiny_cnn, target,
+                                                                          tmp_path):
     """A donor set's build_seconds.json (bench/build_seconds.py) says which records take long to
     compile; recommend leaves those out of a kernel's shortlist unless they lead it."""
     slow_set = tmp_path / "tiny_resnet"
     shutil.copytree(donor_dir, slow_set)
     store = donors.DonorStore.load([slow_set])
+    measured = measure.record_build_seconds(slow_set, target, min_unroll=0)
+    assert set(measured) == {r.trace_hash for r in store.records()} and all(s > 0 for s in measured.values())
+    # here every record stands for one that compiles slowly
     write_build_seconds(slow_set, {r.trace_hash: 2 * pipeline.SLOW_BUILD_S for r in store.records()}, {})
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([slow_set]),
                            ranker=Ranker.load(trained), top_k=3, minor_share=0.0, adaptive=False,

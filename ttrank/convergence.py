@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .donors import index_work_dir
+from .donors import index_work_dir, scheduled
 from .kernels import describe
 from .workdir import MANIFEST_FILE, TRIALS_FILE, read_manifest, records, trials, workload_lines
 
@@ -232,16 +232,8 @@ def remeasured_curves(log: TuningLog, latency: dict[str, list[float | None]]
 
 def database_schedules(work_dir: str | Path) -> dict[str, object]:
     """workload hash -> the kernel scheduled by the database's best record for it."""
-    from tvm import s_tir
-
-    out = {}
     workloads, _ = index_work_dir(work_dir, top_k=1)
-    for w in workloads:
-        if w.records:
-            sch = s_tir.Schedule(w.module())
-            s_tir.Trace.apply_json_to_schedule(w.records[0].trace_json, sch)
-            out[w.kernel.workload_hash] = sch.mod
-    return out
+    return {w.kernel.workload_hash: scheduled(w, w.records[0]) for w in workloads if w.records}
 
 
 @dataclass

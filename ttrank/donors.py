@@ -515,6 +515,15 @@ def _kernel_json(k: Kernel) -> dict:
     return d
 
 
+def scheduled(workload: DonorWorkload, record: DonorRecord):
+    """The record's program: its own workload scheduled by its trace (an IRModule)."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(workload.module())
+    s_tir.Trace.apply_json_to_schedule(record.trace_json, sch)
+    return sch.mod
+
+
 def materialize(workload: DonorWorkload, record: DonorRecord):
     """(donor IRModule, its s_tir.Trace) from the stored JSON."""
     from tvm import s_tir

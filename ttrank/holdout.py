@@ -30,7 +30,7 @@ from . import locations, training
 from .donors import DonorStore, write_store_manifest
 from .errors import TTRankError
 from .ranker import Ranker
-from .util import atomic_write_json, atomic_write_text, file_lock, read_jsonl
+from .util import atomic_write_json, atomic_write_text, current_umask, file_lock, read_jsonl
 from .workdir import MANIFEST_FILE, read_manifest
 
 # in the view's root: what was held out, and of which source
@@ -96,6 +96,7 @@ def hold_out_cpu(mcpu: str, dest: str | Path, source: str | Path | None = None) 
         if old is not None and old.fingerprint == fp and old.mcpu == mcpu:
             return old
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would outlive the move
         try:
             held = _build(mcpu, source, tmp, fp)
             atomic_write_json(tmp / RECORD, held.to_json())

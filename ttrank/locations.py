@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import TTRankError
-from .util import cache_dir
+from .util import cache_dir, environ
 
 HOME_ENV = "TTRANK_HOME"
 # the folder above the package: a checkout of the repository when it holds datasets/
@@ -43,15 +43,8 @@ def data_home(required: bool = True) -> Path | None:
 @contextlib.contextmanager
 def using_home(path: str | Path) -> Iterator[Path]:
     """Run with ``path`` as the data home (``$TTRANK_HOME``), for this process and its children."""
-    before = os.environ.get(HOME_ENV)
-    os.environ[HOME_ENV] = str(path)
-    try:
+    with environ(HOME_ENV, path):
         yield Path(path)
-    finally:
-        if before is None:
-            os.environ.pop(HOME_ENV, None)
-        else:
-            os.environ[HOME_ENV] = before
 
 
 def _under(*parts: str, required: bool) -> Path | None:

@@ -28,7 +28,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuilder
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
-from .donors import DonorStore
+from .donors import DonorStore, scheduled
 from .errors import DeviceError
 from .features import parse_trace
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, one_cpu, probe
@@ -186,17 +186,15 @@ def record_build_seconds(work_dir: str | Path, target, min_unroll: float = 64) -
     hash (in this process: run sets side by side, one per core). Records unrolled less than
     ``min_unroll`` are left out: none of the 220 sampled took over 0.3 s."""
     import tvm
-    from tvm import s_tir
 
     out: dict[str, float] = {}
     for w in DonorStore.load([work_dir], use_cache=False).workloads:
         for r in w.records:
             if parse_trace(r.trace_json)["unroll"] < min_unroll or r.trace_hash in out:
                 continue
-            sch = s_tir.Schedule(w.module())
-            s_tir.Trace.apply_json_to_schedule(r.trace_json, sch)
+            mod = scheduled(w, r)
             t0 = time.perf_counter()
-            tvm.compile(sch.mod, target=target)
+            tvm.compile(mod, target=target)
             out[r.trace_hash] = time.perf_counter() - t0
     return out
 

@@ -314,7 +314,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         # kernels' shortlists are independent, so one thread per core transfers them
         with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
             made = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
-                                               stage2, cached, target, build_s or {}), ks)
+                                               stage2, cached, target, build_s), ks)
             for k, (picks[k.name], shares[k.name]) in zip(ks, made):
                 progress("transferring", len(picks), len(kernels), k.name)
 

@@ -34,6 +34,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ttrank"
 
 
+@contextlib.contextmanager
+def environ(name: str, value: str | Path) -> Iterator[None]:
+    """Run with the environment variable ``name`` set to ``value``, for this process and its
+    children; its earlier value (or its absence) comes back after."""
+    before = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same folder and a rename."""
     path = Path(path)
@@ -45,7 +60,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         # mkstemp makes the file private (0600); the result should have the usual mode
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -54,7 +69,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _umask() -> int:
+def current_umask() -> int:
+    """The process umask (what new files and folders are created with)."""
     # read once: os.umask can only be read by setting it, which is not thread-safe
     mask = os.umask(0)
     os.umask(mask)
