@@ -105,6 +105,7 @@ def test_adapt_tunes_natively_measures_and_retrains(donor_dir, measurements, tar
               donor_dirs=[donor_dir], measurement_dirs=[measurements], layout="nchw")
     rep = adapt.adapt(target, 240, **kw)
     assert rep.planned >= 1 and rep.tuned_kernels == rep.planned and rep.collected > 0
+    assert rep.seeds_measured > 0  # each search started from the ranker's picks, measured here
     native = donors.native_dir("tiny_cnn", rep.mcpu)
     assert donors.DonorStore.load([native]).networks == ["tiny_cnn"]
     # from now on the ranker that knows this CPU is the default one

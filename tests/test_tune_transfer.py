@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -535,3 +536,30 @@ def test_the_models_compile_links_the_kernels_built_for_measuring(target, tmp_pa
         builder.close()
     assert len(linked) >= len({k.workload_hash for k in ks}) - 1  # the model's kernels, as measured
     assert runtime.check_against_onnxruntime(compiled, model).ok
+
+
+def test_a_search_starts_from_the_transferred_schedules_it_is_seeded_with(donor_dir, tiny_cnn, target,
+                                                                          tmp_path, caplog):
+    from ttrank.tune import SEEDED_MEASURED_RATIO, Seed
+
+    store = donors.DonorStore.load([donor_dir], use_cache=False)
+    model = frontend.load(tiny_cnn)
+    # tiny_cnn's 3x3 conv, which tiny_resnet's convs of its class cover by replaying their traces
+    k = next(k for k in kernels.extract(model.mod, target) if k.workload_class == "conv2d_nchw+add+relu")
+    cands = [c for c in (transfer.transfer(r, k, w, target) for w, r in store.compatible(k)) if c.seedable][:2]
+    m = measure.Measurer(target)
+    try:
+        lats = [r.latency_s for r in m.measure([c.mod for c in cands])]
+    finally:
+        m.close()
+    assert cands and all(lats)
+    seeds = {k.workload_hash: [Seed(k.workload_hash, c.trace, lat) for c, lat in zip(cands, lats)]}
+    work = tmp_path / "seeded"
+    tune(model.mod, work, trials_per_task=4, only=[k.name], target=target, seeds=seeds, trials_per_iter=4)
+    log = "".join(p.read_text() for p in (work / "logs").glob("*.log"))
+    # MetaSchedule replayed the two traces, repeated, into most of its first population (64)...
+    assert re.search(r"Picked top (\d+) candidate", log).group(1) == str(int(64 * SEEDED_MEASURED_RATIO))
+    assert "trace replay failures" not in log and "seeds stopped" not in caplog.text
+    # ...and its database holds what its own search measured, nothing else
+    assert count_trials(work)[k.name]["done"] == 4
+    assert len((work / RECORD_FILE).read_text().splitlines()) == 4

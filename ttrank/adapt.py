@@ -7,6 +7,10 @@ where it buys the most on a CPU the shipped data has not seen.
    a slow kernel's trials cost more) is tuned first, with ttrank's resumable `tune` into
    the user's donor store (:func:`ttrank.donors.native_dir`), so `recommend` transfers
    them like any other donor, and a rerun continues where the last one stopped.
+   Each search starts from what transfer already reaches: the ranker's top :data:`SEEDS`
+   donor schedules for the kernel are measured here first (rows of this CPU's tables too) and
+   seed its first population (:class:`ttrank.tune.SeededDatabase`). Unseeded, 64 native trials
+   lost to the best transferred schedule on 15 of 20 kernels (znver2, CPU held out).
 2. **Cross-measurements on this CPU**: `collect` on the same networks, a few candidates per
    kernel, into the user's measurement tables.
 3. **Retraining** the ranker on the shipped tables plus this CPU's rows, into the user's ranker
@@ -26,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import locations, zoo
-from .collect import collect
+from .collect import best_measured, collect
 from .donors import DonorStore, native_dir, native_sets
 from .errors import TTRankError
 from .kernels import Kernel, extract
@@ -34,7 +38,7 @@ from .measure import Measurer
 from .ranker import Ranker
 from .target import host_mcpu, provenance, target_key
 from .training import default_measurement_dirs, train
-from .tune import count_trials, tune
+from .tune import Seed, count_trials, tune
 from .util import atomic_write_json, cache_dir, file_lock
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,8 @@ DEFAULT_NETWORKS = ["resnet50", "resnet18", "mobilenetv2", "efficientnetb0", "yo
 # for a 40 ms conv), and ResNet-18's and ResNet-50's kernels were never reached. Depth is for the
 # donors tuned once for everyone (bench/tune_donors.py), breadth for the user's hour.
 TRIALS = 64
+# transferred schedules measured per kernel to seed its native search
+SEEDS = 4
 
 
 @dataclass
@@ -164,6 +170,8 @@ class AdaptReport:
     tuned_kernels: int = 0
     tuned_trials: int = 0
     tune_seconds: float = 0.0
+    seeds_measured: int = 0  # part of tuning: the transferred schedules measured to seed it
+    seed_seconds: float = 0.0
     collected: int = 0
     collect_seconds: float = 0.0
     train_seconds: float = 0.0
@@ -178,12 +186,13 @@ class AdaptReport:
 
 
 def adapt(target, budget_s: float, networks: list[str] | None = None, trials: int = TRIALS,
-          tune_share: float = 0.6, train_reserve: float = 0.1, max_per_kernel: int = 6,
+          tune_share: float = 0.6, train_reserve: float = 0.03, max_per_kernel: int = 6,
           min_share: float = 0.01, retrain: bool = True, donor_dirs: list[Path] | None = None,
           measurement_dirs: list[Path] | None = None,
           on_note: Callable[[str], None] | None = None, layout: str = "nchwc") -> AdaptReport:
     """Spend ``budget_s`` on this CPU: native tuning (``tune_share`` of it), cross-measurements
-    (the rest, less ``train_reserve`` kept for retraining), then retrain the ranker.
+    (the rest, less ``train_reserve`` kept for retraining: the refit took 6-9 s in each of five
+    host runs, and a reserve of 10% left 5 of the 60 minutes unused), then retrain the ranker.
 
     Kernels whose summed share is under ``min_share`` are left to transfer. Resumable: tuned
     trials and measured rows are kept, so a rerun spends its budget on what is left.
@@ -232,33 +241,42 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         tune_end = t0 + tune_share * budget_s
         tuned = _tuned(todo, mcpu, layout, trials)
         left_plan = [p for p in todo if (p.network, p.task) not in tuned]
-        while left_plan and (left := tune_end - time.time()) >= 30:
-            batch = tuning_batch(left_plan, left, trials)
-            for net, tasks in batch:
-                left = tune_end - time.time()
-                if left < 30:
-                    break
-                run = tune(load(net).mod, native_dir(net, mcpu, layout), trials_per_task=trials,
-                           budget_minutes=left / 60, target=target, model_name=net, only=tasks,
-                           layout=layout)
-                done = sum(tp.done for tp in run.tasks)
-                rep.tuned_trials += done
-                if net not in rep.networks_tuned:
-                    rep.networks_tuned.append(net)
-                note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU")
-            batched = {(net, t) for net, tasks in batch for t in tasks}
-            left_plan = [p for p in left_plan if (p.network, p.task) not in batched]
-        rep.tuned_kernels = len(_tuned(todo, mcpu, layout, trials))
-        rep.tune_seconds = round(time.time() - t0, 1)
-
-        # 2. cross-measurements on this CPU, split evenly over the networks
-        t1 = time.time()
-        collect_end = deadline - train_reserve * budget_s
         out = cache_dir() / "data" / "measurements"
-        native = [d for d in (native_dir(n, mcpu, layout) for n in networks) if d.exists()]
-        store = DonorStore.load(None if donor_dirs is None else [*donor_dirs, *native])  # + native
         measurer = Measurer(target)
+        ranker = Ranker.load()
         try:
+            while left_plan and (left := tune_end - time.time()) >= 30:
+                batch = tuning_batch(left_plan, left, trials)
+                for net, tasks in batch:
+                    left = tune_end - time.time()
+                    if left < 30:
+                        break
+                    model = load(net)
+                    t_seed = time.time()
+                    seeds, measured = _seeds(net, model, [p for p in todo if p.network == net and p.task in tasks],
+                                             store, ranker, out, target, measurer, budget_s=left / 4)
+                    rep.seeds_measured += measured
+                    rep.seed_seconds = round(rep.seed_seconds + time.time() - t_seed, 1)
+                    left = tune_end - time.time()
+                    run = tune(model.mod, native_dir(net, mcpu, layout), trials_per_task=trials,
+                               budget_minutes=left / 60, target=target, model_name=net, only=tasks,
+                               layout=layout, seeds=seeds)
+                    done = sum(tp.done for tp in run.tasks)
+                    rep.tuned_trials += done
+                    if net not in rep.networks_tuned:
+                        rep.networks_tuned.append(net)
+                    note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU "
+                         f"(from {sum(map(len, seeds.values()))} seeds)")
+                batched = {(net, t) for net, tasks in batch for t in tasks}
+                left_plan = [p for p in left_plan if (p.network, p.task) not in batched]
+            rep.tuned_kernels = len(_tuned(todo, mcpu, layout, trials))
+            rep.tune_seconds = round(time.time() - t0, 1)
+
+            # 2. cross-measurements on this CPU, split evenly over the networks
+            t1 = time.time()
+            collect_end = deadline - train_reserve * budget_s
+            native = [d for d in (native_dir(n, mcpu, layout) for n in networks) if d.exists()]
+            store = DonorStore.load(None if donor_dirs is None else [*donor_dirs, *native])  # + native
             for i, net in enumerate(networks):
                 left = (collect_end - time.time()) / (len(networks) - i)
                 if left < 20:
@@ -288,6 +306,21 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         atomic_write_json(state_path(target, layout), {**rep.to_json(), "runs": previous.get("runs", 0) + 1,
                                                "plan_for": asked, "plan": [asdict(p) for p in todo]})
     return rep
+
+
+def _seeds(net: str, model, planned: list[PlannedKernel], store: DonorStore, ranker: Ranker, out: Path,
+           target, measurer: Measurer, budget_s: float, n: int = SEEDS) -> tuple[dict[str, list[Seed]], int]:
+    """The seeds of ``planned`` kernels' searches (workload hash -> fastest first), and how many
+    candidates were measured for them: the ranker's top ``n`` donor schedules of each, any
+    network's (a kernel's own network's, tuned on another CPU, is the likeliest good start),
+    measured into ``out`` unless this CPU has them already; the fastest of those that can seed
+    a search (:attr:`ttrank.transfer.Transferred.seedable`) do."""
+    only = {p.workload_hash for p in planned}
+    st = collect(net, model, store, out, target, measurer, max_per_kernel=n, budget_s=budget_s,
+                 exclude_self=False, ranker=ranker, only=only)
+    kernels = [k for k in extract(model.mod, target) if k.workload_hash in only]
+    best = best_measured(net, kernels, store, out, target, n, keep=lambda c: c.seedable)
+    return {h: [Seed(h, c.trace, lat) for c, lat in picks] for h, picks in best.items()}, st.measured
 
 
 def _tuned(todo: list[PlannedKernel], mcpu: str, layout: str, trials: int) -> set[tuple[str, str]]:

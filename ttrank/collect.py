@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -30,9 +31,10 @@ from .kernels import Kernel, extract
 from .measurements import (UNTUNED, compact_provenance, is_current, kernels_of, machine_of, same_cpu,
                            write_kernels)
 from .measurements import key as measurement_key
-from .ranker import relevance
+from .ranker import Ranker, relevance
+from .ranking import rank_kernel
 from .target import CPU_KEYS, cpu_description, provenance
-from .transfer import transfer
+from .transfer import Transferred, transfer
 from .util import STOP_REQUESTED, append_jsonl, read_jsonl, stop_at_safe_points
 
 log = logging.getLogger("ttrank")
@@ -147,17 +149,23 @@ def import_tables(src: str | Path, dst: str | Path) -> dict[str, int]:
 def collect(network: str, model, store: DonorStore, out_dir: str | Path, target, measurer,
             max_per_kernel: int = 40, records_per_donor: int = 2, budget_s: float | None = None,
             seed: int = 0, batch: int = 16, exclude_self: bool = True,
-            paper_donor: str | None = None,
+            paper_donor: str | None = None, ranker: Ranker | None = None,
+            only: set[str] | None = None,
             on_progress: Callable[[CollectStats, int], None] | None = None) -> CollectStats:
     """Measure sampled donor schedules of the other networks on every tunable kernel.
 
     With ``paper_donor``, also the paper's baseline: that network's exact-class schedules with
     their tile sizes left to TVM (``adapt="tvm"``), in rows of their own (``pool: "paper"``).
+    With ``ranker``, a kernel's candidates are that ranker's top ``max_per_kernel`` for this
+    CPU instead of a sample (what `adapt` measures to seed a kernel's native search).
+    ``only``: the kernels to measure, by workload hash (None: every tunable one).
     """
     out_dir = Path(out_dir)
     table = out_dir / f"{network}.jsonl"
     kernels = [k for k in extract(model.mod, target) if k.tunable]
     write_kernels(out_dir / "kernels" / f"{network}.json", kernels)
+    if only is not None:
+        kernels = [k for k in kernels if k.workload_hash in only]
     spec = getattr(measurer, "spec", None)
     # the measuring machine's CPU: over RPC, what the devices report, never the host's
     prov = compact_provenance(spec.provenance(target) if spec is not None else provenance(target))
@@ -171,6 +179,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     stats = CollectStats(network, len(kernels))
     t0 = time.time()
     exclude = {network} if exclude_self else set()
+    cpu = cpu_description(prov)  # what the ranker's CPU features read
     baseline = measurer.baseline()
     jobs: list[list[tuple[int, Kernel, list]]] = []  # batches handed out, not yet measured
 
@@ -192,7 +201,10 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
                 m = baseline.measure([k.mod])[0]
                 untuned[k.workload_hash] = m.latency_s
                 append_jsonl(table, measurements.row(network, k, m.status, m.latency_s, m.error, prov))
-            pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
+            if ranker is not None:
+                pairs = [(c.donor, c.record) for c in rank_kernel(k, store, ranker, exclude, cpu)[:max_per_kernel]]
+            else:
+                pairs = sample_pairs(k, store.compatible(k, exclude), max_per_kernel, records_per_donor, seed)
             todo = [(w, r, "ttrank") for w, r in pairs if (k.workload_hash, r.id) not in done]
             paper = [] if paper_donor == network else paper_pairs(k, store, paper_donor)
             todo += [(w, r, "tvm") for w, r in paper if (k.workload_hash, f"{r.id}@tvm") not in done]
@@ -237,6 +249,38 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
             if on_progress:
                 on_progress(stats, i)
     return stats
+
+
+def best_measured(network: str, kernels: list[Kernel], store: DonorStore, out_dir: str | Path, target,
+                  n: int, keep: Callable[[Transferred], bool] = lambda c: c.ok
+                  ) -> dict[str, list[tuple[Transferred, float]]]:
+    """Each kernel's ``n`` fastest donor schedules measured on this CPU (rows of ``network``'s
+    table in ``out_dir`` with this machine's provenance and a current record), transferred
+    again (those ``keep`` keeps): workload hash -> [(candidate, latency_s)], fastest first."""
+    prov = compact_provenance(provenance(target))
+    rec_of = {r.id: r for r in store.records()}
+    wanted = {k.workload_hash: k for k in kernels}
+    rows: dict[str, list[dict]] = {}
+    for r in load_rows(Path(out_dir) / f"{network}.jsonl"):
+        if (r.get("status") == "ok" and r.get("workload") in wanted and r.get("record") in rec_of
+                and not str(r.get("pool", "")).startswith("paper") and same_cpu(r, prov)
+                and is_current(r, rec_of[r["record"]])):
+            rows.setdefault(r["workload"], []).append(r)
+    wl_of = {r.id: w for w in store.workloads for r in w.records}
+    out: dict[str, list[tuple[Transferred, float]]] = {}
+    for h, rs in rows.items():
+        best: dict[str, float] = {}
+        for r in rs:
+            best[r["record"]] = min(best.get(r["record"], math.inf), float(r["latency_s"]))
+        picks = []
+        for rid, lat in sorted(best.items(), key=lambda x: x[1]):
+            c = transfer(rec_of[rid], wanted[h], wl_of[rid], target)
+            if keep(c):
+                picks.append((c, lat))
+            if len(picks) >= n:
+                break
+        out[h] = picks
+    return out
 
 
 def collect_networks(networks: list[str], store: DonorStore, out_dir: str | Path, target, measurer,

@@ -37,7 +37,7 @@ from .space import SPACE_NETWORK, space_candidates
 from .target import cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance, target_key
 from .training import ranker_without
 from .transfer import Transferred, postprocessors, transfer
-from .tune import TUNING_PROTOCOL, tune
+from .tune import TUNING_PROTOCOL, Seed, tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
 
@@ -636,10 +636,14 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         # small batches, so that the budget is checked often. MetaSchedule appends to the
         # database itself: a second recommend of this model waits here (the lock `ttrank
         # tune` holds), then finds the trials done
+        # the search starts from what transfer reached (a design-space sample, a weak donor)
+        start = chosen.get(k.name)
+        seeds = ({k.workload_hash: [Seed(k.workload_hash, start.trace, rep.best_s)]}
+                 if start is not None and start.seedable and rep.best_s else None)
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[k.name], trials_per_iter=8,
+                       only=[k.name], trials_per_iter=8, seeds=seeds,
                        runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(rep.best_s)))
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)

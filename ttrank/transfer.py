@@ -73,6 +73,15 @@ class Transferred:
     def ok(self) -> bool:
         return self.status == VALID
 
+    @property
+    def seedable(self) -> bool:
+        """Whether MetaSchedule's search may start from its trace (:class:`ttrank.tune.Seed`):
+        a replayed donor trace is one of MetaSchedule's own design-space traces, mutated as any.
+        An anchor-trace replay's trace is not: on tiny_cnn's residual conv, searches seeded with
+        such traces aborted on a mutant that no longer replays (a step's loops differ), 1 in 2
+        at MetaSchedule's default share of seeds, every one at ttrank's; replayed ones, 0 in 12."""
+        return self.ok and self.method == "replay"
+
     def program_hash(self) -> str:
         """The transferred program's structural hash (``""`` when nothing applied): two donor
         schedules that transfer to the same program need one build and one measurement."""
@@ -238,6 +247,10 @@ def postprocessors(target) -> list:
 
 
 def _postprocess(sch, target) -> bool:
+    # marked as MetaSchedule marks its own: a replay that drops the post-processing part (its
+    # search picking this trace from a database, :class:`ttrank.tune.SeededDatabase`) then
+    # post-processes afresh, instead of running the post-processors over their own output
+    sch.enter_postproc()
     return all(p.apply(sch) for p in postprocessors(target))
 
 
