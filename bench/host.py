@@ -1,7 +1,7 @@
 """Native speed on this CPU (issue #19): ttrank against onnxruntime on the zoo's CNNs, with the
 shipped data only and after `ttrank adapt`, in one resumable run.
 
-    python bench/host.py [--adapt-minutes 60] [--networks NET ...] [--budget-minutes M] [--force]
+    python bench/host.py [--adapt-minutes 60] [--adapt-seeds N] [--networks NET ...] [--budget-minutes M] [--force]
                          [--layout nchwc|auto]
 
 1. **shipped**: `ttrank recommend zoo:NET --leave-one-out` per network, with a user cache that
@@ -96,6 +96,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--networks", nargs="+", default=CNNS)
     ap.add_argument("--adapt-minutes", type=float, default=60.0)
+    ap.add_argument("--adapt-seeds", type=int, default=None, help="adapt's --seeds (default: its own)")
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no step after this")
     ap.add_argument("--force", action="store_true", help="redo this CPU's steps")
     ap.add_argument("--shipped-only", action="store_true", help="stop after the shipped phase")
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, de
             t0 = time.time()
             cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes),
                    "--layout", "nchw" if args.layout == "nchw" else "nchwc"]
+            if args.adapt_seeds is not None:  # an A/B of seeded native tuning: give each its --label
+                cmd += ["--seeds", str(args.adapt_seeds)]
             proc = subprocess.run(cmd, text=True, capture_output=True)
             print(proc.stdout[-3000:])
             if proc.returncode != 0:

@@ -189,7 +189,8 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
           tune_share: float = 0.6, train_reserve: float = 0.03, max_per_kernel: int = 6,
           min_share: float = 0.01, retrain: bool = True, donor_dirs: list[Path] | None = None,
           measurement_dirs: list[Path] | None = None,
-          on_note: Callable[[str], None] | None = None, layout: str = "nchwc") -> AdaptReport:
+          on_note: Callable[[str], None] | None = None, layout: str = "nchwc",
+          seeds: int = SEEDS) -> AdaptReport:
     """Spend ``budget_s`` on this CPU: native tuning (``tune_share`` of it), cross-measurements
     (the rest, less ``train_reserve`` kept for retraining: the refit took 6-9 s in each of five
     host runs, and a reserve of 10% left 5 of the 60 minutes unused), then retrain the ranker.
@@ -200,6 +201,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     and the user's) are what the plan weighs and the ranker learns from; this CPU's new rows
     always go to the user's tables. ``layout``: the zoo networks' conv layout, for tuning and
     measuring (nchwc, the default: packed convs, as `recommend --layout auto` packs a CNN).
+    ``seeds``: transferred schedules measured per kernel to seed its search (0: unseeded).
     """
     note = on_note or (lambda line: None)
     t0 = time.time()
@@ -253,20 +255,21 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
                         break
                     model = load(net)
                     t_seed = time.time()
-                    seeds, measured = _seeds(net, model, [p for p in todo if p.network == net and p.task in tasks],
-                                             store, ranker, out, target, measurer, budget_s=left / 4)
+                    planned = [p for p in todo if p.network == net and p.task in tasks]
+                    found, measured = (measure_seeds(net, model, planned, store, ranker, out, target, measurer,
+                                                     budget_s=left / 4, n=seeds) if seeds else ({}, 0))
                     rep.seeds_measured += measured
                     rep.seed_seconds = round(rep.seed_seconds + time.time() - t_seed, 1)
                     left = tune_end - time.time()
                     run = tune(model.mod, native_dir(net, mcpu, layout), trials_per_task=trials,
                                budget_minutes=left / 60, target=target, model_name=net, only=tasks,
-                               layout=layout, seeds=seeds)
+                               layout=layout, seeds=found)
                     done = sum(tp.done for tp in run.tasks)
                     rep.tuned_trials += done
                     if net not in rep.networks_tuned:
                         rep.networks_tuned.append(net)
                     note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU "
-                         f"(from {sum(map(len, seeds.values()))} seeds)")
+                         f"(from {sum(map(len, found.values()))} seeds)")
                 batched = {(net, t) for net, tasks in batch for t in tasks}
                 left_plan = [p for p in left_plan if (p.network, p.task) not in batched]
             rep.tuned_kernels = len(_tuned(todo, mcpu, layout, trials))
@@ -308,8 +311,9 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     return rep
 
 
-def _seeds(net: str, model, planned: list[PlannedKernel], store: DonorStore, ranker: Ranker, out: Path,
-           target, measurer: Measurer, budget_s: float, n: int = SEEDS) -> tuple[dict[str, list[Seed]], int]:
+def measure_seeds(net: str, model, planned: list[PlannedKernel], store: DonorStore, ranker: Ranker, out: Path,
+                  target, measurer: Measurer, budget_s: float, n: int = SEEDS
+                  ) -> tuple[dict[str, list[Seed]], int]:
     """The seeds of ``planned`` kernels' searches (workload hash -> fastest first), and how many
     candidates were measured for them: the ranker's top ``n`` donor schedules of each, any
     network's (a kernel's own network's, tuned on another CPU, is the likeliest good start),

@@ -538,7 +538,7 @@ def cmd_adapt(args) -> int:
         con.print(f"[yellow]warning: {busy}; tuning and measurements taken now will be noisy[/yellow]")
     rep = adapt.adapt(target, 60 * args.budget_minutes, networks=args.networks, trials=args.trials,
                       tune_share=args.tune_share, max_per_kernel=args.max_per_kernel,
-                      retrain=not args.no_train, on_note=con.print, layout=args.layout)
+                      retrain=not args.no_train, on_note=con.print, layout=args.layout, seeds=args.seeds)
     state = "complete" if rep.complete else "partial (rerun to continue)"
     con.print(f"adapted to {rep.mcpu} in {rep.seconds:.0f} s: {rep.tuned_kernels}/{rep.planned} kernels "
               f"tuned natively ({rep.tuned_trials} trials, {rep.tune_seconds:.0f} s), {rep.collected} "
@@ -719,6 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--trials", type=int, default=adapt.TRIALS, help="trials per natively tuned kernel")
     ad.add_argument("--tune-share", type=float, default=0.6, help="share of the budget for tuning")
     ad.add_argument("--max-per-kernel", type=int, default=6, help="candidates measured per kernel")
+    ad.add_argument("--seeds", type=int, default=adapt.SEEDS,
+                    help="transferred schedules measured per tuned kernel to start its search from (0: none)")
     ad.add_argument("--no-train", action="store_true", help="do not retrain the ranker")
     ad.add_argument("--layout", choices=list(LAYOUTS), default="nchwc",
                     help="tune and measure the networks with their convs in this layout (nchwc, the "
