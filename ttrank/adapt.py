@@ -33,7 +33,7 @@ from . import locations, zoo
 from .collect import best_measured, collect
 from .donors import DonorStore, native_dir, native_sets
 from .errors import TTRankError
-from .kernels import Kernel, extract
+from .kernels import Kernel, extract, model_kernels
 from .measure import Measurer
 from .ranker import Ranker
 from .target import host_mcpu, provenance, target_key
@@ -322,7 +322,7 @@ def measure_seeds(net: str, model, planned: list[PlannedKernel], store: DonorSto
     only = {p.workload_hash for p in planned}
     st = collect(net, model, store, out, target, measurer, max_per_kernel=n, budget_s=budget_s,
                  exclude_self=False, ranker=ranker, only=only)
-    kernels = [k for k in extract(model.mod, target) if k.workload_hash in only]
+    kernels = [k for k in model_kernels(model, target) if k.workload_hash in only]  # collect's, cached
     best = best_measured(net, kernels, store, out, target, n, keep=lambda c: c.seedable)
     return {h: [Seed(h, c.trace, lat) for c, lat in picks] for h, picks in best.items()}, st.measured
 

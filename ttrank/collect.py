@@ -27,7 +27,7 @@ from . import measurements, zoo
 from .donors import DonorRecord, DonorStore, DonorWorkload
 from .errors import TTRankError
 from .features import FEATURE_NAMES, vector
-from .kernels import Kernel, extract
+from .kernels import Kernel, model_kernels
 from .measurements import (UNTUNED, compact_provenance, is_current, kernels_of, machine_of, same_cpu,
                            write_kernels)
 from .measurements import key as measurement_key
@@ -162,7 +162,7 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     """
     out_dir = Path(out_dir)
     table = out_dir / f"{network}.jsonl"
-    kernels = [k for k in extract(model.mod, target) if k.tunable]
+    kernels = [k for k in model_kernels(model, target) if k.tunable]
     write_kernels(out_dir / "kernels" / f"{network}.json", kernels)
     if only is not None:
         kernels = [k for k in kernels if k.workload_hash in only]

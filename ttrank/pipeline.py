@@ -633,13 +633,13 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         k, t_k = plan.kernel, time.time()
         rep = reports[k.name]
         progress("tuning", i + 1, len(plans), k.name)
-        # small batches, so that the budget is checked often. MetaSchedule appends to the
-        # database itself: a second recommend of this model waits here (the lock `ttrank
-        # tune` holds), then finds the trials done
         # the search starts from what transfer reached (a design-space sample, a weak donor)
         start = chosen.get(k.name)
         seeds = ({k.workload_hash: [Seed(k.workload_hash, start.trace, rep.best_s)]}
                  if start is not None and start.seedable and rep.best_s else None)
+        # small batches, so that the budget is checked often. MetaSchedule appends to the
+        # database itself: a second recommend of this model waits here (the lock `ttrank
+        # tune` holds), then finds the trials done
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,

@@ -210,7 +210,7 @@ def seeded(database, task_mod, seeds: list[Seed], target):
     workload = database.commit_workload(task_mod)
     func = next(iter(task_mod.functions.values()))
     records = [TuningRecord(s.trace, workload, [float(s.latency_s)], target, ArgInfo.from_prim_func(func))
-               for s in sorted(seeds, key=lambda s: s.latency_s)]
+               for s in seeds]
     return SeededDatabase(database, workload, records)
 
 
@@ -349,7 +349,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             # batches never exceed what the budget leaves, measured by this run's pace
             # it creates MetaSchedule's loggers, as tune_tasks does
             batch = min(trials_per_iter, remaining)
-            strategy = seeded_strategy(batch) if task_seeds else search_strategy(batch)
+            strategy = search_strategy(batch, seeded=bool(task_seeds))
             with metaschedule_logging(), cpu_tensor_intrinsics(target):
                 ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
                     [task], str(work_dir), strategy=strategy, seed=seed)
@@ -365,7 +365,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
                 ms.tune.tune_tasks(
                     tasks=ctxs, task_weights=weights, work_dir=str(work_dir),
                     max_trials_global=remaining, max_trials_per_task=remaining,
-                    num_trials_per_iter=min(trials_per_iter, remaining), builder=builder,
+                    num_trials_per_iter=batch, builder=builder,
                     runner=runner, database=seeded(database, ctxs[0].mod, task_seeds, target),
                     measure_callbacks=callbacks, task_scheduler="round-robin", cost_model="xgb")
 
@@ -438,19 +438,6 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
 TUNING_PROTOCOL = {"cache_flush": False, "repeat": 1, "number": 3, "min_repeat_ms": 50}
 
 
-def search_strategy(batch: int):
-    """MetaSchedule's evolutionary search with its population scaled to the batch it measures.
-
-    Each batch samples and evolves a population (512 by default, for batches of 64) through the
-    cost model: a fixed cost whatever the batch. Batches of 8 (a small task, or recommend's own
-    tuning, which checks its budget after every batch) spent most of their time there: a task
-    of 8 trials took 49 s, 40 of them sampling. 16 candidates per trial measured (64 to 512);
-    from batches of 32, as ttrank's donors are tuned, it is MetaSchedule's 512."""
-    from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch  # as in tune()
-
-    return EvolutionarySearch(population_size=max(64, min(512, 16 * batch)))
-
-
 # of a seeded search's first population, the share drawn from the database (its seeds, repeated
 # by SeededDatabase up to that share, then the best measured): MetaSchedule's 0.2 left 4 seeds
 # among 508 random samples, and 64 trials of ResNet-18's 3x3 conv ended at 1.87 ms against seeds
@@ -458,12 +445,21 @@ def search_strategy(batch: int):
 SEEDED_MEASURED_RATIO = 0.85
 
 
-def seeded_strategy(batch: int):
-    """The search strategy of a seeded search (:class:`SeededDatabase`): most of its population
-    starts from the seeds (and, after the first batch, the best measured)."""
+def search_strategy(batch: int, seeded: bool = False):
+    """MetaSchedule's evolutionary search with its population scaled to the batch it measures.
+
+    Each batch samples and evolves a population (512 by default, for batches of 64) through the
+    cost model: a fixed cost whatever the batch. Batches of 8 (a small task, or recommend's own
+    tuning, which checks its budget after every batch) spent most of their time there: a task
+    of 8 trials took 49 s, 40 of them sampling. 16 candidates per trial measured (64 to 512);
+    from batches of 32, as ttrank's donors are tuned, it is MetaSchedule's 512. ``seeded`` (a
+    :class:`SeededDatabase` search): most of the population starts from the seeds (and, after
+    the first batch, the best measured)."""
     from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch  # as in tune()
 
     pop = max(64, min(512, 16 * batch))
+    if not seeded:
+        return EvolutionarySearch(population_size=pop)
     # the random part, 15% of the population, must count as enough for the search to go on
     return EvolutionarySearch(population_size=pop, init_measured_ratio=SEEDED_MEASURED_RATIO,
                               init_min_unmeasured=min(50, int(pop * (1 - SEEDED_MEASURED_RATIO)) // 2))
