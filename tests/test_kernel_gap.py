@@ -105,6 +105,24 @@ def test_packed_weights_fold_to_constants(packed_net):
     assert packed_convs == 8 and packed_weights == packed_convs  # each reads a packed constant weight
 
 
+def test_a_swish_fuses_into_the_packed_conv_it_follows(tmp_path):
+    """EfficientNet's MBConv: 1x1 expand conv + SiLU, depthwise conv + SiLU, 1x1 project conv,
+    residual add. Packed, each SiLU is an epilogue of its conv; no sigmoid or product is left
+    a kernel of its own (each would read and write the whole activation once more)."""
+    g = GraphBuilder("mbconv", seed=0)
+    x = g.input("x", [1, 16, 14, 14])
+    y = g.silu(g.conv(x, 16, 32, 1, 1, 0))
+    y = g.silu(g.conv(y, 32, 32, 3, 1, groups=32))
+    g.output(g.add(x, g.conv(y, 32, 16, 1, 1, 0)))
+    path = tmp_path / "mbconv.onnx"
+    path.write_bytes(g.model().SerializeToString())
+    packed = layouts.pack_conv2d_nchwc(frontend.load(str(path)).mod, target=make_target(), lanes=8)
+
+    names = [k.name for k in kernels.extract(packed, make_target())]
+    assert [n for n in names if "conv2d" not in n and "layout_transform" not in n] == [], names
+    assert sum("conv2d_NCHWc" in n and "fast_exp" in n for n in names) == 2, names
+
+
 def test_block_size_and_lanes():
     assert layouts.block_size(128, 16) == 16
     assert layouts.block_size(3, 16) == 3
