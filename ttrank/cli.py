@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import adapt, collect, donors, frontend, kernels, locations, pipeline, runtime, training, tune, util, zoo
+from . import (adapt, collect, donors, frontend, kernels, locations, pipeline, profiling, runtime, training, tune,
+               util, zoo)
 from .coverage import choose_layout, coverage
 from .errors import BusyError, CheckError, OutputError, TTRankError
 from .evaluate import KEYS, PAPER_PAIRING
@@ -23,7 +24,7 @@ from .layouts import LAYOUTS
 from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .pipeline import MEASURE_SECONDS
 from .ranker import Ranker
-from .target import cross_compiler, machine_busy, make_target
+from .target import cross_compiler, machine_busy, make_target, provenance
 from .util import atomic_write_json, cache_dir, on_sigint, say
 from .workdir import open_database
 
@@ -176,6 +177,8 @@ def _fmt_attrs(attrs: dict) -> str:
 
 def cmd_compile(args) -> int:
     con = _console()
+    if (args.profile or args.profile_json) and args.no_check:
+        raise TTRankError("--profile runs the compiled model beside onnxruntime; drop --no-check")
     target = make_target(args.target)
     model = load_model_arg(args, target)
     _check_output_space(model, Path(args.output))  # before compiling, not after
@@ -203,12 +206,37 @@ def cmd_compile(args) -> int:
                 lat = runtime.alternate_ms(model, {"tvm": compiled}, rounds=3, min_repeat_ms=200)
                 con.print(f"latency (timed in alternation, min of 3): ttrank/TVM {lat['tvm']:.2f} ms, "
                           f"onnxruntime {lat['onnxruntime']:.2f} ms")
+            if args.profile or args.profile_json:
+                _print_profile(con, args, model, compiled, target)
         os.replace(staged, args.output)
     finally:
         if staged.exists():
             staged.unlink()
     con.print(f"wrote {args.output}")
     return 0
+
+
+def _print_profile(con, args, model, compiled, target) -> None:
+    from rich.table import Table
+
+    profiles = profiling.profile(model, compiled, kernels.model_kernels(model, target))
+    rows = profiling.class_table(profiles)
+    t = Table(title=f"{model.name}: in-model ms per run, by op class (mean of 20 runs, engines alternated)")
+    for col in ("op class", "ttrank ms", "calls", "onnxruntime ms", "nodes", "ttrank / onnxruntime"):
+        t.add_column(col, justify="left" if col == "op class" else "right")
+    for r in rows:
+        t.add_row(r["op_class"], f"{r['ttrank_ms']:.3f}", str(r.get("ttrank_calls", "")),
+                  f"{r['onnxruntime_ms']:.3f}", str(r.get("onnxruntime_nodes", "")),
+                  f"{r['ratio']:.2f}" if r["ratio"] else "-")
+    con.print(t)
+    top = sorted(profiles["ttrank"].items, key=lambda i: -i["ms"])[:10]
+    con.print("heaviest kernels: " + "; ".join(
+        f"{i['name']} ({i['op_class']}, x{i['calls']}) {i['ms']:.3f} ms" for i in top))
+    if args.profile_json:
+        atomic_write_json(args.profile_json, {
+            "model": model.name, "classes": rows, "provenance": provenance(target),
+            **{k: p.to_json() for k, p in profiles.items()}})
+        con.print(f"wrote {args.profile_json}")
 
 
 def cmd_tune(args) -> int:
@@ -487,6 +515,10 @@ def _print_report(con, res) -> None:
         con.print(f"model latency: untuned {lat['untuned']:.1f} ms{src}, ttrank {lat['tuned']:.2f} ms "
                   f"({lat['untuned'] / lat['tuned']:.1f}x), onnxruntime {lat['onnxruntime']:.2f} ms "
                   f"({res.provenance.get('threads')} threads each)")
+    gaps = [r for r in res.in_model if r.get("ratio") and r["op_class"] != "whole run"][:4]
+    if gaps:  # the heaviest classes; the whole table is the JSON report's in_model
+        con.print("in the model, ttrank / onnxruntime by op class: " + ", ".join(
+            f"{r['op_class']} {r['ratio']:.2f} ({r['ttrank_ms']:.2f} ms)" for r in gaps))
     con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
               f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
     if res.anytime:  # the whole curve is in the JSON report
@@ -625,6 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--database", help="a MetaSchedule JSONDatabase work_dir to apply")
     c.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     c.add_argument("--time", action="store_true", help="also time TVM and onnxruntime")
+    c.add_argument("--profile", action="store_true",
+                   help="where the time goes inside the model: ttrank's kernels and onnxruntime's "
+                        "nodes, by op class (conv 3x3, depthwise 3x3, matmul, ...), and the "
+                        "heaviest kernels")
+    c.add_argument("--profile-json", metavar="FILE", help="also write the profile as JSON")
     c.set_defaults(func=cmd_compile)
 
     t = sub.add_parser("tune", help="tune a model with MetaSchedule (resumable, budgeted)")

@@ -42,7 +42,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import onnxruntime as ort
 from tvm import relax, s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
@@ -50,7 +49,8 @@ from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
 from . import frontend, kernels, layouts, runtime, workdir, zoo
 from .frontend import LoadedModel
 from .measure import Measurer, RunnerSpec
-from .target import host_cores, provenance, runtime_threads
+from .profiling import ort_profile
+from .target import host_cores, provenance
 from .tune import count_trials, tune
 from .util import atomic_write_json, atomic_write_text
 from .zoo import GraphBuilder
@@ -139,44 +139,6 @@ def anchor_of(mod, target) -> tuple[kernels.Kernel, list[str]]:
 
 # ------------------------------------------------------------------------------------------
 # onnxruntime's per-node profile
-
-
-def ort_profile(onnx_model, feed: dict, runs: int = 30, threads: int | None = None) -> list[dict]:
-    """Per node of onnxruntime's optimised graph: op, input shapes, median and min ms."""
-    tmp = tempfile.mkdtemp(prefix="kgap-ort-")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or runtime_threads()
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    so.enable_profiling = True
-    so.profile_file_prefix = os.path.join(tmp, "prof")
-    sess = ort.InferenceSession(onnx_model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
-    for _ in range(5):
-        sess.run(None, feed)
-    # the warm-up runs are profiled too: drop each node's first events
-    for _ in range(runs):
-        sess.run(None, feed)
-    path = sess.end_profiling()
-    with open(path) as f:
-        events = json.load(f)
-    nodes: dict[str, dict] = {}
-    for e in events:
-        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
-            continue
-        a = e.get("args", {})
-        n = nodes.setdefault(e["name"][:-len("_kernel_time")], {
-            "node": e["name"][:-len("_kernel_time")], "op": a.get("op_name"),
-            "inputs": [list(next(iter(d.values()))) for d in a.get("input_type_shape", [])],
-            "outputs": [list(next(iter(d.values()))) for d in a.get("output_type_shape", [])],
-            "us": []})
-        n["us"].append(float(e["dur"]))
-    out = []
-    for n in nodes.values():
-        us = n.pop("us")[5:] or [0.0]
-        out.append({**n, "median_ms": statistics.median(us) / 1e3, "min_ms": min(us) / 1e3,
-                    "samples": len(us)})
-    return out
 
 
 def match_nodes(nodes: list[dict], op: dict) -> list[dict]:

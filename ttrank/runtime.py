@@ -166,6 +166,7 @@ class CompiledModel:
         from tvm import relax
 
         self.dev = tvm.cpu()
+        self.lib = lib  # a second VM over it can be instrumented (ttrank.profiling)
         self.vm = relax.VirtualMachine(lib, self.dev)
         self.inputs = inputs
 
@@ -209,14 +210,22 @@ class CompiledModel:
 
 
 def onnxruntime_session(model: LoadedModel, threads: int | None = None):
+    return ort_session(model.onnx_model, threads)
+
+
+def ort_session(onnx_model, threads: int | None = None, profile_prefix: str | None = None):
+    """An onnxruntime CPU session of an ONNX ModelProto, with TVM's runtime threads; with
+    ``profile_prefix``, its profiler writes there."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or runtime_threads()  # the same threads as TVM's runtime
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(model.onnx_model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return ort.InferenceSession(onnx_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def onnxruntime_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -1,0 +1,300 @@
+"""In-model profiles: where a compiled model's time goes, next to onnxruntime's.
+
+A kernel measured alone (recommend's candidates, a tuning trial) runs in a loop on its own
+arguments. Inside the model its input was just written by the kernel before, its weights come
+from memory, and the Relax VM's glue runs between kernels. On ResNet-50 (znver2, packed layout)
+the kernels' in-model times summed to 1.07-1.27x their isolated sum, and some kernels took 2x
+theirs. So this profiles both engines inside their own model runs:
+
+- ttrank: every VM call of a run, timed by the Relax VM's instrument hook (TVM 0.27 has no VM
+  profiler); each call carries the hook's few microseconds;
+- onnxruntime: its own profiler, per node.
+
+Both are summed per op class (conv 3x3, depthwise 3x3, matmul, ...; :func:`tvm_class`,
+:func:`ort_class`), with the engines' runs alternated in chunks so that a slow stretch of a shared
+machine hits both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .frontend import LoadedModel
+from .kernels import Kernel
+from .runtime import CompiledModel, ort_session
+
+# the VM's own instructions (allocations, shape checks, tuple building): glue, not kernels
+RUNTIME_CLASS = "vm runtime"
+
+
+@dataclass
+class Profile:
+    """One engine's in-model times: per kernel (or node), ms per model run, mean over runs (so
+    that the kernels of a run add up to no more than the run)."""
+
+    engine: str
+    run_ms: float  # mean time of one whole run, profiled
+    items: list[dict] = field(default_factory=list)  # name, op_class, calls, ms
+
+    def kernels_ms(self) -> float:
+        return sum(i["ms"] for i in self.items)
+
+    def by_class(self) -> dict[str, dict]:
+        """Per op class: ms per run, and calls per run (an onnxruntime node is one call)."""
+        out: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
+        for i in self.items:
+            out[i["op_class"]]["ms"] += i["ms"]
+            out[i["op_class"]]["calls"] += i["calls"]
+        return dict(out)
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "run_ms": round(self.run_ms, 4),
+                "kernels_ms": round(self.kernels_ms(), 4),
+                "items": [{**i, "ms": round(i["ms"], 5)} for i in sorted(self.items, key=lambda i: -i["ms"])]}
+
+
+def _conv_class(kind: str, kh: int | None, kw: int | None) -> str:
+    return f"{kind} {kh}x{kw}" if kh and kw else kind
+
+
+def tvm_class(name: str, kernel: Kernel | None = None) -> str:
+    """The op class of a VM call: from its kernel's weight shape where known, else its name."""
+    if name.startswith("vm.") or name.startswith("__"):
+        return RUNTIME_CLASS
+    kh = kw = None
+    if kernel is not None and len(kernel.input_shapes) > 1 and len(kernel.input_shapes[1]) >= 4:
+        kh, kw = kernel.input_shapes[1][2], kernel.input_shapes[1][3]
+    n = name.lower()
+    if "conv2d_transpose" in n:
+        return "conv transpose"
+    if "depthwise" in n or (kernel is not None and kernel.attrs.get("depthwise")):
+        return _conv_class("depthwise", kh, kw)
+    if "conv" in n:
+        return _conv_class("conv", kh, kw)
+    if re.search(r"matmul|dense", n):
+        return "matmul"
+    if re.search(r"pool|mean|reduce|_sum|^sum|_max\d*$|^max\d*$", n):
+        return "pool/reduce"
+    if re.search(r"layout_transform|transpose|reshape|concat|split|strided_slice", n):
+        return "layout"
+    return "other"
+
+
+_ORT_MATMUL = {"MatMul", "Gemm", "FusedGemm", "FusedMatMul", "MatMulNBits", "MatMulInteger",
+               "QLinearMatMul", "DynamicQuantizeMatMul", "Attention", "MultiHeadAttention"}
+_ORT_LAYOUT = {"ReorderInput", "ReorderOutput", "Transpose", "Reshape", "Flatten", "Squeeze",
+               "Unsqueeze", "Concat", "Split", "Slice"}
+
+
+def ort_class(node: dict) -> str:
+    """The op class of a profiled onnxruntime node (op type, input shapes)."""
+    op, ins = node.get("op") or "", node.get("inputs") or []
+    if "ConvTranspose" in op:
+        return "conv transpose"
+    if "Conv" in op:
+        w = ins[1] if len(ins) > 1 else []
+        x = ins[0] if ins else []
+        if len(w) >= 4:
+            cin = x[1] * x[4] if len(x) == 5 else (x[1] if len(x) >= 2 else 0)
+            if w[1] == 1 and w[0] == cin and cin > 1:
+                return _conv_class("depthwise", w[2], w[3])
+            return _conv_class("conv", w[2], w[3])
+        return "conv"
+    if op in _ORT_MATMUL:
+        return "matmul"
+    if "Pool" in op or op.startswith("Reduce"):
+        return "pool/reduce"
+    if op in _ORT_LAYOUT:
+        return "layout"
+    return "other"
+
+
+class _VMTimer:
+    """The per-call times of one Relax VM (a second VM over the compiled library, so that the
+    model's own VM runs without the hook)."""
+
+    def __init__(self, compiled: CompiledModel, feed: dict[str, np.ndarray]):
+        from tvm import relax
+
+        self.vm = relax.VirtualMachine(compiled.lib, compiled.dev)
+        self.args = compiled._args(feed)
+        self.runs: list[dict[str, float]] = []
+        self.calls: dict[str, int] = {}
+        self._t0: dict[str, list[float]] = defaultdict(list)
+        self._cur: dict[str, float] | None = None
+        self.run_s: list[float] = []
+        self.vm.set_instrument(self._hook)
+
+    def _hook(self, func, name: str, before: bool, ret, *args) -> int:
+        now = time.perf_counter()
+        if before:
+            self._t0[name].append(now)
+        elif self._cur is not None:
+            self._cur[name] = self._cur.get(name, 0.0) + now - self._t0[name].pop()
+        else:
+            self._t0[name].pop()
+        return 0  # VMInstrumentReturnKind.kNoOp: run the call as usual
+
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            self._cur = {}
+            t0 = time.perf_counter()
+            self.vm["main"](*self.args)
+            self.run_s.append(time.perf_counter() - t0)
+            self.runs.append(self._cur)
+            self._cur = None
+
+    def count_calls(self) -> None:
+        """How often each function is called in one run (one run, counted)."""
+        counts: dict[str, int] = defaultdict(int)
+
+        def hook(func, name, before, ret, *args):
+            if before:
+                counts[name] += 1
+            return 0
+
+        self.vm.set_instrument(hook)
+        self.vm["main"](*self.args)
+        self.vm.set_instrument(self._hook)
+        self.calls = dict(counts)
+
+
+class _OrtTimer:
+    """An onnxruntime session with its profiler on; the profile is read once, at the end."""
+
+    def __init__(self, onnx_model, feed: dict[str, np.ndarray], threads: int | None = None):
+        self.tmp = tempfile.mkdtemp(prefix="ttrank-ortprof-")
+        self.sess = ort_session(onnx_model, threads, profile_prefix=os.path.join(self.tmp, "prof"))
+        self.feed = feed
+        self.warmup = 0
+        self.run_s: list[float] = []
+
+    def run(self, n: int, warmup: bool = False) -> None:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.sess.run(None, self.feed)
+            if warmup:
+                self.warmup += 1
+            else:
+                self.run_s.append(time.perf_counter() - t0)
+
+    def nodes(self) -> list[dict]:
+        try:
+            path = self.sess.end_profiling()
+            with open(path) as f:
+                return ort_nodes(json.load(f), skip=self.warmup)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def ort_nodes(events: list[dict], skip: int = 0) -> list[dict]:
+    """Per node of an onnxruntime profile (its JSON events): op, input and output shapes, and its
+    median, mean and minimum ms, the first ``skip`` runs of each node left out (warm-up)."""
+    nodes: dict[str, dict] = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        a = e.get("args", {})
+        name = e["name"][:-len("_kernel_time")]
+        n = nodes.setdefault(name, {
+            "node": name, "op": a.get("op_name"),
+            "inputs": [list(next(iter(d.values()))) for d in a.get("input_type_shape", [])],
+            "outputs": [list(next(iter(d.values()))) for d in a.get("output_type_shape", [])],
+            "us": []})
+        n["us"].append(float(e["dur"]))
+    out = []
+    for n in nodes.values():
+        us = n.pop("us")[skip:] or [0.0]
+        out.append({**n, "median_ms": statistics.median(us) / 1e3, "mean_ms": statistics.fmean(us) / 1e3,
+                    "min_ms": min(us) / 1e3, "samples": len(us)})
+    return out
+
+
+def ort_profile(onnx_model, feed: dict, runs: int = 30, threads: int | None = None,
+                warmup: int = 5) -> list[dict]:
+    """Per node of onnxruntime's optimised graph, profiled over ``runs`` runs of ``onnx_model``
+    (an onnx ModelProto) after ``warmup``: op, input shapes, median and min ms."""
+    t = _OrtTimer(onnx_model, feed, threads)
+    t.run(warmup, warmup=True)
+    t.run(runs)
+    return t.nodes()
+
+
+def profile(model: LoadedModel, compiled: CompiledModel, kernels: Iterable[Kernel] = (),
+            runs: int = 20, chunks: int = 4, onnxruntime: bool = True) -> dict[str, Profile]:
+    """ttrank's (and onnxruntime's) in-model times, ``runs`` model runs each after a warm-up,
+    alternated in ``chunks``. ``kernels``: the model's kernels, to class convs by kernel size."""
+    feed = model.random_inputs()
+    by_name = {k.name: k for k in kernels}
+    tv = _VMTimer(compiled, feed)
+    ot = _OrtTimer(model.onnx_model, {s.name: feed[s.name] for s in model.inputs}) if onnxruntime else None
+    tv.run(2)
+    tv.runs.clear()
+    tv.run_s.clear()
+    tv.count_calls()
+    if ot is not None:
+        ot.run(2, warmup=True)
+    per = max(1, runs // chunks)
+    for _ in range(chunks):
+        tv.run(per)
+        if ot is not None:
+            ot.run(per)
+    items = []
+    for name in sorted({n for r in tv.runs for n in r}):
+        items.append({"name": name, "op_class": tvm_class(name, by_name.get(name)),
+                      "calls": tv.calls.get(name, 0),
+                      "ms": 1e3 * statistics.fmean(r.get(name, 0.0) for r in tv.runs)})
+    out = {"ttrank": Profile("ttrank", 1e3 * statistics.fmean(tv.run_s), items)}
+    if ot is not None:
+        nodes = ot.nodes()
+        out["onnxruntime"] = Profile("onnxruntime", 1e3 * statistics.fmean(ot.run_s), [
+            {"name": n["node"], "op_class": ort_class(n), "op": n["op"], "calls": 1, "ms": n["mean_ms"]}
+            for n in nodes])
+    return out
+
+
+def _coarse(op_class: str) -> str:
+    """A conv class without its kernel size, depthwise or not."""
+    return "conv" if op_class.startswith(("conv ", "depthwise")) and op_class != "conv transpose" else op_class
+
+
+def class_table(profiles: dict[str, Profile]) -> list[dict]:
+    """Per op class: each engine's in-model ms and calls per run, and ttrank / onnxruntime, the
+    heaviest class first; the last rows are the time outside kernels and the whole run.
+
+    Where some of ttrank's convs could not be sized (an untuned compile runs unfused kernels of
+    other names than the extracted ones), both sides' convs are one class, so that the rows
+    still compare like with like."""
+    tt, ort_ = profiles["ttrank"], profiles.get("onnxruntime")
+    a, b = tt.by_class(), (ort_.by_class() if ort_ else {})
+    if "conv" in a or "depthwise" in a:
+        def merge(classes: dict[str, dict]) -> dict[str, dict]:
+            out: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
+            for c, v in classes.items():
+                out[_coarse(c)]["ms"] += v["ms"]
+                out[_coarse(c)]["calls"] += v["calls"]
+            return dict(out)
+        a, b = merge(a), merge(b)
+    rows = []
+    for c in sorted(set(a) | set(b), key=lambda c: -max(a.get(c, {}).get("ms", 0), b.get(c, {}).get("ms", 0))):
+        x, y = a.get(c, {"ms": 0.0, "calls": 0}), b.get(c, {"ms": 0.0, "calls": 0})
+        rows.append({"op_class": c, "ttrank_ms": x["ms"], "ttrank_calls": x["calls"],
+                     "onnxruntime_ms": y["ms"] if ort_ else None, "onnxruntime_nodes": y["calls"],
+                     "ratio": x["ms"] / y["ms"] if ort_ and y["ms"] > 0 else None})
+    outside = {"op_class": "outside kernels", "ttrank_ms": max(0.0, tt.run_ms - tt.kernels_ms()),
+               "onnxruntime_ms": max(0.0, ort_.run_ms - ort_.kernels_ms()) if ort_ else None}
+    whole = {"op_class": "whole run", "ttrank_ms": tt.run_ms, "onnxruntime_ms": ort_.run_ms if ort_ else None}
+    for r in (outside, whole):
+        r["ratio"] = (r["ttrank_ms"] / r["onnxruntime_ms"]) if r["onnxruntime_ms"] else None
+    return rows + [outside, whole]
