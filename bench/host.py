@@ -82,8 +82,6 @@ def one(net: str, layout: str = "nchw", phase: str = "") -> dict:
             "fast_math": (report.get("provenance") or {}).get("fast_math"), "ranker": ranker_id(),
             "layout": (report.get("provenance") or {}).get("layout"),
             "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
-            # where the time goes inside the model, by op class against onnxruntime's nodes
-            "in_model": report.get("in_model"),
             "command": " ".join(cmd[:4]) + " ...", "commit": head_commit(), "provenance": provenance()}
 
 
