@@ -193,13 +193,6 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     assert r["provenance"]["ranker_data_cpus"] == ["sapphirerapids"]
     assert r["model_latency_ms"]["tuned"] > 0 and r["model_latency_ms"]["onnxruntime"] > 0
     assert r["search_seconds"]["total"] > 0
-    # where the time goes inside the model: each kernel's share of a run, against onnxruntime's
-    # nodes by op class
-    # (a reshape kernel is not run: the VM's own builtin aliases the tensor)
-    assert all(k["in_model_ms"] > 0 for k in r["kernels"] if k["name"] != "reshape")
-    classes = {c["op_class"]: c for c in r["in_model"]}
-    assert classes["conv 3x3"]["ttrank_ms"] > 0 and classes["conv 3x3"]["onnxruntime_ms"] > 0
-    assert "in the model, ttrank / onnxruntime by op class: conv" in " ".join(out.out.split())
     tuned = [k for k in r["kernels"] if k["status"] == "tuned"]
     assert tuned and all(k["chosen"]["latency_s"] < k["untuned_s"] for k in tuned)
     # a kernel no donor covers gets schedules from MetaSchedule's design space, measured like

@@ -57,6 +57,8 @@ def test_compile_profile_shows_where_the_time_goes(donor_dir, tmp_path, capsys):
         classes["conv 3x3"]["ttrank_ms"] / classes["conv 3x3"]["onnxruntime_ms"])
     # the kernels were timed inside the runs: together, no longer than a run
     assert 0 < prof["ttrank"]["kernels_ms"] <= prof["ttrank"]["run_ms"]
+    # and the same model without the hook, to see what profiling costs
+    assert prof["ttrank"]["plain_run_ms"] > 0 and "profiling cost" in out
     assert classes["whole run"]["ttrank_ms"] == pytest.approx(prof["ttrank"]["run_ms"], abs=1e-3)
     assert prof["provenance"]["mcpu"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms
 
-from . import measurements, profiling
+from . import measurements
 from .coverage import plan_missing
 from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
@@ -91,9 +91,6 @@ class KernelReport:
     beside: list = field(default_factory=list)  # record ids measured besides the k (a schedule
     # tuned on this CPU that the ranker left out)
     sibling_of: str = ""  # the heavier kernel of the same anchor whose fastest candidates it measured
-    # its time inside the compiled model's own runs (all its calls, ms per run; ttrank.profiling),
-    # beside best_s measured alone
-    in_model_ms: float | None = None
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -122,15 +119,12 @@ class Result:
     # the model's estimated latency (sum of weight x best kernel so far) after the untuned
     # kernels, after each measured batch and after tuning: what more time bought, and would buy
     anytime: list[dict] = field(default_factory=list)
-    # where the compiled model's time goes, by op class, against onnxruntime's nodes
-    # (ttrank.profiling.class_table), when the model was timed
-    in_model: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"model": self.model, "target": self.target, "database": self.database,
                 "library": self.library, "model_latency_ms": self.model_latency_ms,
                 "max_abs_error_vs_onnxruntime": self.max_abs_error_vs_onnxruntime,
-                "search_seconds": self.search_seconds, "anytime": self.anytime, "in_model": self.in_model,
+                "search_seconds": self.search_seconds, "anytime": self.anytime,
                 "provenance": self.provenance, "kernels": [k.to_json() for k in self.kernels]}
 
 
@@ -266,8 +260,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         measurer.close()
 
     # another architecture (compiled is None): the host can neither load the model nor time it
-    lat, in_model = (_time(model, target, compiled, kernels, reports, untuned_run_limit_s if time_untuned else 0.0,
-                           progress) if time_model and compiled is not None else ({}, []))
+    lat = (_time(model, target, compiled, reports, untuned_run_limit_s if time_untuned else 0.0, progress)
+           if time_model and compiled is not None else {})
     return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
                   max_err, {"ranking": round(t_rank, 2),
                             **({"refitting_ranker": round(t_refit, 2)} if t_refit else {}),
@@ -281,7 +275,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
                                           "measure_budget_s": measure_budget_s,
                                           "candidates_left_unmeasured": unmeasured},
-                  anytime, in_model)
+                  anytime)
 
 
 def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
@@ -731,13 +725,11 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
     return compiled, max_err
 
 
-def _time(model: LoadedModel, target, compiled: CompiledModel, kernels: list[Kernel],
-          reports: dict[str, KernelReport], untuned_run_limit_s: float, progress: Progress
-          ) -> tuple[dict, list[dict]]:
+def _time(model: LoadedModel, target, compiled: CompiledModel, reports: dict[str, KernelReport],
+          untuned_run_limit_s: float, progress: Progress) -> dict:
     """Whole-model latency: tuned and onnxruntime in alternation; the untuned model compiled and
     timed once when its kernels say that takes under ``untuned_run_limit_s``, else the sum of
-    its kernels (measured anyway) stands in. Then the in-model profile (each kernel's
-    ``in_model_ms``, and the op-class table), about :data:`PROFILE_SECONDS` of runs."""
+    its kernels (measured anyway) stands in."""
     feed = model.random_inputs()
     lat: dict = {"untuned_estimated_from_kernels": 1e3 * sum(
         r.weight * r.untuned_s for r in reports.values() if r.untuned_s)}
@@ -752,18 +744,8 @@ def _time(model: LoadedModel, target, compiled: CompiledModel, kernels: list[Ker
         lat["untuned_source"] = "sum of untuned kernels"
     side = alternate_ms(model, {"tuned": compiled}, rounds=5, min_repeat_ms=200)
     lat["tuned"], lat["onnxruntime"] = side["tuned"], side["onnxruntime"]
-    progress("timing", 1, 1, "in-model profile")
-    runs = int(max(4, min(20, 1e3 * PROFILE_SECONDS / (lat["tuned"] + lat["onnxruntime"]))))
-    profiles = profiling.profile(model, compiled, kernels, runs=runs, chunks=min(4, runs // 2))
-    for item in profiles["ttrank"].items:
-        if item["name"] in reports:
-            reports[item["name"]].in_model_ms = round(item["ms"], 5)
-    return lat, [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-                 for r in profiling.class_table(profiles)]
-
-
-# the in-model profile's share of a recommend run: both engines' runs, at most 20 each
-PROFILE_SECONDS = 4.0
+    progress("timing", 1, 1, "")
+    return lat
 
 
 def _commit_plan(db_dir: Path) -> Path:

@@ -7,12 +7,17 @@ the kernels' in-model times summed to 1.07-1.27x their isolated sum, and some ke
 theirs. So this profiles both engines inside their own model runs:
 
 - ttrank: every VM call of a run, timed by the Relax VM's instrument hook (TVM 0.27 has no VM
-  profiler); each call carries the hook's few microseconds;
+  profiler);
 - onnxruntime: its own profiler, per node.
 
 Both are summed per op class (conv 3x3, depthwise 3x3, matmul, ...; :func:`tvm_class`,
-:func:`ort_class`), with the engines' runs alternated in chunks so that a slow stretch of a shared
-machine hits both.
+:func:`ort_class`). Profiling is not free: the hook is a Python call with the call's arguments
+before and after every VM call, and it slows small kernels (MobileNetV2 on znver2: 10.4 ms a run
+instrumented, 6.4 ms not), so each profile also times the same model without it
+(``plain_run_ms``): the kernels' shares hold, their absolute times are an upper bound. The
+engines run in blocks, each after a pause and warm-up runs: right after one engine's runs the
+other's spinning worker threads still hold a core (interleaved in blocks of 5 runs,
+MobileNetV2's instrumented runs took 24 ms).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Profile:
     engine: str
     run_ms: float  # mean time of one whole run, profiled
     items: list[dict] = field(default_factory=list)  # name, op_class, calls, ms
+    plain_run_ms: float | None = None  # the same runs without the profiler (ttrank's)
 
     def kernels_ms(self) -> float:
         return sum(i["ms"] for i in self.items)
@@ -60,6 +66,7 @@ class Profile:
 
     def to_json(self) -> dict:
         return {"engine": self.engine, "run_ms": round(self.run_ms, 4),
+                "plain_run_ms": None if self.plain_run_ms is None else round(self.plain_run_ms, 4),
                 "kernels_ms": round(self.kernels_ms(), 4),
                 "items": [{**i, "ms": round(i["ms"], 5)} for i in sorted(self.items, key=lambda i: -i["ms"])]}
 
@@ -231,31 +238,54 @@ def ort_profile(onnx_model, feed: dict, runs: int = 30, threads: int | None = No
     return t.nodes()
 
 
+# the pause before an engine's block of runs, for the other engine's worker threads to stop
+# spinning, and the discarded runs that start each block
+SETTLE_S = 0.05
+WARMUP_RUNS = 2
+
+
+def _plain_run_s(compiled: CompiledModel, feed: dict[str, np.ndarray], runs: int) -> list[float]:
+    """Whole-run seconds of the model's own VM, without the hook."""
+    args = compiled._args(feed)
+    out = []
+    for i in range(WARMUP_RUNS + runs):
+        t0 = time.perf_counter()
+        compiled.vm["main"](*args)
+        if i >= WARMUP_RUNS:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def profile(model: LoadedModel, compiled: CompiledModel, kernels: Iterable[Kernel] = (),
-            runs: int = 20, chunks: int = 4, onnxruntime: bool = True) -> dict[str, Profile]:
-    """ttrank's (and onnxruntime's) in-model times, ``runs`` model runs each after a warm-up,
-    alternated in ``chunks``. ``kernels``: the model's kernels, to class convs by kernel size."""
+            runs: int = 20, blocks: int = 2, onnxruntime: bool = True) -> dict[str, Profile]:
+    """ttrank's (and onnxruntime's) in-model times over ``runs`` model runs each, the engines
+    alternated in ``blocks`` (each after a pause and warm-up runs); ttrank's plain runs (no
+    hook) are timed in the same blocks. ``kernels``: the model's kernels, to class convs by
+    kernel size."""
     feed = model.random_inputs()
     by_name = {k.name: k for k in kernels}
     tv = _VMTimer(compiled, feed)
     ot = _OrtTimer(model.onnx_model, {s.name: feed[s.name] for s in model.inputs}) if onnxruntime else None
-    tv.run(2)
-    tv.runs.clear()
-    tv.run_s.clear()
     tv.count_calls()
-    if ot is not None:
-        ot.run(2, warmup=True)
-    per = max(1, runs // chunks)
-    for _ in range(chunks):
+    if ot is not None:  # its profile's first events per node are these (ort_nodes skips them)
+        ot.run(WARMUP_RUNS, warmup=True)
+    per = max(1, runs // blocks)
+    plain: list[float] = []
+    for _ in range(blocks):
+        time.sleep(SETTLE_S)
+        plain += _plain_run_s(compiled, feed, per)
+        tv.run(WARMUP_RUNS)
+        del tv.runs[-WARMUP_RUNS:], tv.run_s[-WARMUP_RUNS:]
         tv.run(per)
         if ot is not None:
+            time.sleep(SETTLE_S)
             ot.run(per)
     items = []
     for name in sorted({n for r in tv.runs for n in r}):
         items.append({"name": name, "op_class": tvm_class(name, by_name.get(name)),
                       "calls": tv.calls.get(name, 0),
                       "ms": 1e3 * statistics.fmean(r.get(name, 0.0) for r in tv.runs)})
-    out = {"ttrank": Profile("ttrank", 1e3 * statistics.fmean(tv.run_s), items)}
+    out = {"ttrank": Profile("ttrank", 1e3 * statistics.fmean(tv.run_s), items, 1e3 * statistics.fmean(plain))}
     if ot is not None:
         nodes = ot.nodes()
         out["onnxruntime"] = Profile("onnxruntime", 1e3 * statistics.fmean(ot.run_s), [
