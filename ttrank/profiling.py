@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,12 +56,13 @@ class Profile:
     def kernels_ms(self) -> float:
         return sum(i["ms"] for i in self.items)
 
-    def by_class(self) -> dict[str, dict]:
-        """Per op class: ms per run, and calls per run (an onnxruntime node is one call)."""
+    def by_class(self, key: Callable[[str], str] = str) -> dict[str, dict]:
+        """Per op class (as ``key`` names it): ms per run, and calls per run (an onnxruntime
+        node is one call)."""
         out: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
         for i in self.items:
-            out[i["op_class"]]["ms"] += i["ms"]
-            out[i["op_class"]]["calls"] += i["calls"]
+            out[key(i["op_class"])]["ms"] += i["ms"]
+            out[key(i["op_class"])]["calls"] += i["calls"]
         return dict(out)
 
     def to_json(self) -> dict:
@@ -136,45 +137,33 @@ class _VMTimer:
 
         self.vm = relax.VirtualMachine(compiled.lib, compiled.dev)
         self.args = compiled._args(feed)
-        self.runs: list[dict[str, float]] = []
-        self.calls: dict[str, int] = {}
-        self._t0: dict[str, list[float]] = defaultdict(list)
-        self._cur: dict[str, float] | None = None
+        self.runs: list[dict[str, float]] = []  # per run: seconds per function
+        self.calls: dict[str, int] = {}  # per function: calls in one run
         self.run_s: list[float] = []
+        self._start = 0.0  # the VM's calls do not nest: one start at a time
+        self._cur: dict[str, float] = {}
+        self._calls: dict[str, int] = {}
         self.vm.set_instrument(self._hook)
 
     def _hook(self, func, name: str, before: bool, ret, *args) -> int:
         now = time.perf_counter()
         if before:
-            self._t0[name].append(now)
-        elif self._cur is not None:
-            self._cur[name] = self._cur.get(name, 0.0) + now - self._t0[name].pop()
+            self._start = now
         else:
-            self._t0[name].pop()
+            self._cur[name] = self._cur.get(name, 0.0) + now - self._start
+            self._calls[name] = self._calls.get(name, 0) + 1
         return 0  # VMInstrumentReturnKind.kNoOp: run the call as usual
 
-    def run(self, n: int) -> None:
+    def run(self, n: int, keep: bool = True) -> None:
+        """``n`` runs; with ``keep=False`` (warm-up) none is recorded."""
         for _ in range(n):
-            self._cur = {}
+            self._cur, self._calls = {}, {}
             t0 = time.perf_counter()
             self.vm["main"](*self.args)
-            self.run_s.append(time.perf_counter() - t0)
-            self.runs.append(self._cur)
-            self._cur = None
-
-    def count_calls(self) -> None:
-        """How often each function is called in one run (one run, counted)."""
-        counts: dict[str, int] = defaultdict(int)
-
-        def hook(func, name, before, ret, *args):
-            if before:
-                counts[name] += 1
-            return 0
-
-        self.vm.set_instrument(hook)
-        self.vm["main"](*self.args)
-        self.vm.set_instrument(self._hook)
-        self.calls = dict(counts)
+            if keep:
+                self.run_s.append(time.perf_counter() - t0)
+                self.runs.append(self._cur)
+                self.calls = self._calls
 
 
 class _OrtTimer:
@@ -266,7 +255,6 @@ def profile(model: LoadedModel, compiled: CompiledModel, kernels: Iterable[Kerne
     by_name = {k.name: k for k in kernels}
     tv = _VMTimer(compiled, feed)
     ot = _OrtTimer(model.onnx_model, {s.name: feed[s.name] for s in model.inputs}) if onnxruntime else None
-    tv.count_calls()
     if ot is not None:  # its profile's first events per node are these (ort_nodes skips them)
         ot.run(WARMUP_RUNS, warmup=True)
     per = max(1, runs // blocks)
@@ -274,8 +262,7 @@ def profile(model: LoadedModel, compiled: CompiledModel, kernels: Iterable[Kerne
     for _ in range(blocks):
         time.sleep(SETTLE_S)
         plain += _plain_run_s(compiled, feed, per)
-        tv.run(WARMUP_RUNS)
-        del tv.runs[-WARMUP_RUNS:], tv.run_s[-WARMUP_RUNS:]
+        tv.run(WARMUP_RUNS, keep=False)
         tv.run(per)
         if ot is not None:
             time.sleep(SETTLE_S)
@@ -307,15 +294,9 @@ def class_table(profiles: dict[str, Profile]) -> list[dict]:
     other names than the extracted ones), both sides' convs are one class, so that the rows
     still compare like with like."""
     tt, ort_ = profiles["ttrank"], profiles.get("onnxruntime")
-    a, b = tt.by_class(), (ort_.by_class() if ort_ else {})
-    if "conv" in a or "depthwise" in a:
-        def merge(classes: dict[str, dict]) -> dict[str, dict]:
-            out: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
-            for c, v in classes.items():
-                out[_coarse(c)]["ms"] += v["ms"]
-                out[_coarse(c)]["calls"] += v["calls"]
-            return dict(out)
-        a, b = merge(a), merge(b)
+    a = tt.by_class()
+    key = _coarse if "conv" in a or "depthwise" in a else str
+    a, b = tt.by_class(key), (ort_.by_class(key) if ort_ else {})
     rows = []
     for c in sorted(set(a) | set(b), key=lambda c: -max(a.get(c, {}).get("ms", 0), b.get(c, {}).get("ms", 0))):
         x, y = a.get(c, {"ms": 0.0, "calls": 0}), b.get(c, {"ms": 0.0, "calls": 0})
