@@ -11,6 +11,12 @@ shipped data only and after `ttrank adapt`, in one resumable run.
 3. **adapted**: the same recommends with that cache: native donors and the ranker that learned
    this CPU's rows (a network's own natively tuned kernels stay left out, as its donors are).
 
+``--native`` runs one more phase, ``native@L``: the same recommends with every shipped donor set
+and row, this CPU's too, and without ``--leave-one-out``, so a network whose donors were tuned
+here (bench/tune_donors.py, hours of MetaSchedule search) can pick its own kernels. It is what
+MetaSchedule's schedule space reaches on this CPU at the donors' depth: the reference that the
+60-minute adaptation of a CPU never seen approaches.
+
 Each recommend times its compiled model in alternation with onnxruntime (its own
 ``model_latency_ms``). Results go to bench/results/host.json after every step; a rerun skips what
 is done for this CPU; other CPUs' results are kept under ``other_cpus``. The caches live under
@@ -69,12 +75,13 @@ def user_cache(path: Path):
         yield
 
 
-def one(net: str, layout: str = "nchw", phase: str = "") -> dict:
+def one(net: str, layout: str = "nchw", phase: str = "", leave_one_out: bool = True) -> dict:
     # each phase's report is kept apart (bench/work/reports/host-<mcpu>-<phase>-<net>.json): why a
     # network got slower after the adaptation is in the kernels both phases chose
     with tempfile.TemporaryDirectory(prefix="ttrank-host-") as tmp:
         report, wall, _, cmd = run_recommend(net, Path(tmp), extra=("--layout", layout),
-                                             report_name=f"host-{host_mcpu()}-{phase}-{net}")
+                                             report_name=f"host-{host_mcpu()}-{phase}-{net}",
+                                             leave_one_out=leave_one_out)
     lat = report["model_latency_ms"]
     return {"ttrank_ms": lat["tuned"], "onnxruntime_ms": lat.get("onnxruntime"),
             "ort_ratio": lat["tuned"] / lat["onnxruntime"] if lat.get("onnxruntime") else None,
@@ -82,7 +89,9 @@ def one(net: str, layout: str = "nchw", phase: str = "") -> dict:
             "fast_math": (report.get("provenance") or {}).get("fast_math"), "ranker": ranker_id(),
             "layout": (report.get("provenance") or {}).get("layout"),
             "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
-            "command": " ".join(cmd[:4]) + " ...", "commit": head_commit(), "provenance": provenance()}
+            "command": " ".join(cmd[:4]) + " ...", "commit": head_commit(), "provenance": provenance(),
+            **({} if leave_one_out else {"own_kernels_chosen": sum(
+                (k.get("chosen") or {}).get("donor_network") == net for k in report["kernels"])})}
 
 
 def summary(phase: dict) -> dict:
@@ -104,6 +113,8 @@ def main() -> int:
                     help="phases of their own (shipped@L+LABEL, ...): the same steps after the shipped "
                          "data changed, beside the earlier ones")
     ap.add_argument("--layout", choices=["nchw", "nchwc", "auto"], default="nchw")
+    ap.add_argument("--native", action="store_true",
+                    help="only the native phase: every shipped donor set and row, this CPU's too, no leave-one-out")
     ap.add_argument("--retime", choices=["shipped", "adapted"], default=None,
                     help="run that phase's recommends again with the same caches (after the code or the shipped "
                          "donors changed); the earlier results are kept under its 'earlier' list")
@@ -130,6 +141,8 @@ def main() -> int:
             res[phase] = {"networks": {}, "retimed_at": head_commit(),
                           "earlier": [*old_phase.pop("earlier", []), old_phase]}
     deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+    if args.native:
+        return run_native(args, res, f"native{tag}", work / f"native-cache{tag}", deadline)
     held = hold_out_cpu(mcpu, work / "shipped-home")
     print(f"held out of the shipped data: {held.rows} rows and {len(held.sets)} donor sets of {mcpu}"
           f"{', ranker refitted without them' if held.retrained else ''}", flush=True)
@@ -137,6 +150,28 @@ def main() -> int:
     res.setdefault(f"held_out{tag}", {k: v for k, v in held.to_json().items() if k != "home"})
     with using_home(held.home):
         return run(args, res, tag, mcpu, work, deadline)
+
+
+def run_native(args: argparse.Namespace, res: dict, phase: str, cache: Path, deadline: float | None) -> int:
+    """The native phase: the shipped data home as it is, a user cache of its own."""
+    res.setdefault(phase, {"networks": {}})
+    with user_cache(cache):
+        for net in args.networks:
+            if net in res[phase]["networks"]:
+                continue
+            if deadline and time.time() > deadline:
+                print("budget spent; rerun to continue")
+                return 0
+            print(f"{phase}: {net}", flush=True)
+            try:
+                res[phase]["networks"][net] = one(net, args.layout, phase, leave_one_out=False)
+            except RuntimeError as e:
+                res[phase]["networks"][net] = {"ort_ratio": None, "error": str(e)[-1500:]}
+            res[phase].update(summary(res[phase]))
+            res["provenance"] = provenance()
+            atomic_write_json(OUT, res)
+    print(phase, {k: v for k, v in res[phase].items() if k != "networks"})
+    return 0
 
 
 def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, deadline: float | None) -> int:
