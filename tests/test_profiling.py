@@ -7,7 +7,8 @@ import pytest
 
 from ttrank.cli import main
 from ttrank.kernels import Kernel
-from ttrank.profiling import RUNTIME_CLASS, ort_class, tvm_class
+from ttrank.profiling import (RUNTIME_CLASS, Profile, conv_flops, conv_geometry, conv_label, conv_table, ort_class,
+                              tvm_class)
 
 
 def _kernel(name: str, weight_shape: list[int], depthwise: bool = False) -> Kernel:
@@ -42,6 +43,42 @@ def test_onnxruntime_nodes_are_classed_alike():
     assert ort_class({"op": "Sigmoid", "inputs": [[1, 64, 7, 7]]}) == "other"
 
 
+def test_a_conv_has_one_geometry_in_both_engines_layouts():
+    # ttrank's packed kernel and onnxruntime's NCHWc node for ResNet-50's stride-2 3x3 conv
+    tvm = conv_geometry([1, 32, 14, 14, 8], [64, 32, 3, 3, 8, 8], [1, 64, 7, 7, 8])
+    ort = conv_geometry([1, 32, 14, 14, 8], [512, 256, 3, 3], [1, 64, 7, 7, 8])
+    assert tvm == ort and conv_label(tvm) == "256x14x14 -> 512x7x7 3x3"
+    assert conv_flops(tvm) == 2 * 512 * 256 * 9 * 7 * 7
+    # depthwise: one in-channel per group, in either layout
+    dw = conv_geometry([1, 4, 56, 56, 8], [4, 1, 3, 3, 1, 8], [1, 4, 56, 56, 8])
+    assert dw == conv_geometry([1, 32, 56, 56], [32, 1, 3, 3], [1, 32, 56, 56])
+    assert dw["groups"] == 32 and conv_label(dw).endswith("depthwise")
+    assert conv_geometry([1, 9216], [4096, 9216], [1, 4096]) is None  # a matmul
+
+
+def test_convs_are_paired_by_geometry_and_the_largest_gap_comes_first():
+    g1 = conv_geometry([1, 256, 56, 56], [64, 256, 1, 1], [1, 64, 56, 56])
+    g2 = conv_geometry([1, 64, 56, 56], [64, 64, 3, 3], [1, 64, 56, 56])
+    g3 = conv_geometry([1, 3, 224, 224], [64, 3, 7, 7], [1, 64, 112, 112])
+    tt = Profile("ttrank", 10.0, [
+        {"name": "fused_conv2d_add_relu", "op_class": "conv 1x1", "calls": 1, "ms": 1.5, "conv": g1},
+        {"name": "fused_conv2d_add_add_relu", "op_class": "conv 1x1", "calls": 1, "ms": 1.7, "conv": g1},
+        {"name": "fused_conv2d1_add1_relu1", "op_class": "conv 3x3", "calls": 3, "ms": 3.0, "conv": g2},
+        {"name": "fused_conv2d2_add2", "op_class": "conv 7x7", "calls": 1, "ms": 2.0, "conv": g3}])
+    ort = Profile("onnxruntime", 8.0, [
+        {"name": "conv_1", "op_class": "conv 1x1", "calls": 1, "ms": 0.8, "conv": g1},
+        {"name": "conv_2", "op_class": "conv 1x1", "calls": 1, "ms": 0.8, "conv": g1},
+        {"name": "conv_3", "op_class": "conv 3x3", "calls": 1, "ms": 2.9, "conv": g2},
+        {"name": "relu_4", "op_class": "other", "calls": 1, "ms": 0.1, "conv": None}])
+    rows = conv_table({"ttrank": tt, "onnxruntime": ort})
+    # the 7x7 conv has no partner; the 1x1 convs' two kernels and two nodes are summed
+    assert [r["conv"] for r in rows] == ["256x56x56 -> 64x56x56 1x1", "64x56x56 -> 64x56x56 3x3"]
+    one = rows[0]
+    assert one["ttrank_calls"] == one["onnxruntime_nodes"] == 2 and one["ratio"] == pytest.approx(3.2 / 1.6)
+    assert sorted(one["kernels"]) == ["fused_conv2d_add_add_relu", "fused_conv2d_add_relu"]
+    assert one["onnxruntime_gflops"] == pytest.approx(2 * conv_flops(g1) / 1.6e-3 / 1e9)
+
+
 def test_compile_profile_shows_where_the_time_goes(donor_dir, tmp_path, capsys):
     js = tmp_path / "profile.json"
     assert main(["compile", "zoo:tiny_resnet", "--database", str(donor_dir), "-o", str(tmp_path / "r.so"),
@@ -61,6 +98,12 @@ def test_compile_profile_shows_where_the_time_goes(donor_dir, tmp_path, capsys):
     assert prof["ttrank"]["plain_run_ms"] > 0 and "profiling cost" in out
     assert classes["whole run"]["ttrank_ms"] == pytest.approx(prof["ttrank"]["run_ms"], abs=1e-3)
     assert prof["provenance"]["mcpu"]
+    # each tuned conv beside onnxruntime's node for the same conv
+    assert "convs beside onnxruntime's same convs" in out
+    convs = prof["convs"]
+    assert convs and all(r["ttrank_ms"] > 0 and r["onnxruntime_ms"] > 0 and r["kernels"] for r in convs)
+    assert sum(r["ttrank_calls"] for r in convs) <= sum(
+        c["ttrank_calls"] for c in prof["classes"] if c["op_class"].startswith("conv "))
 
 
 def test_an_untuned_compile_compares_its_convs_as_one_class(tiny_cnn, tmp_path, capsys):

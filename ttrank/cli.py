@@ -235,9 +235,23 @@ def _print_profile(con, args, model, compiled, target) -> None:
               f"{tt.plain_run_ms:.2f} ms without: its kernels' times are upper bounds, their shares hold")
     con.print("heaviest kernels: " + "; ".join(
         f"{i['name']} ({i['op_class']}, x{i['calls']}) {i['ms']:.3f} ms" for i in top))
+    convs = profiling.conv_table(profiles)
+    if convs:
+        t = Table(title="convs beside onnxruntime's same convs, the largest gap first (ms per run)")
+        for col in ("conv (in -> out, kernel)", "ttrank ms", "calls", "GFLOP/s", "onnxruntime ms", "GFLOP/s ",
+                    "ttrank / onnxruntime", "ttrank's kernels"):
+            t.add_column(col, justify="left" if col.startswith(("conv", "ttrank's")) else "right")
+        def num(x: float | None, fmt: str) -> str:
+            return format(x, fmt) if x else "-"
+
+        for r in convs[:10]:
+            t.add_row(r["conv"], num(r["ttrank_ms"], ".3f"), str(r["ttrank_calls"]), num(r["ttrank_gflops"], ".0f"),
+                      num(r["onnxruntime_ms"], ".3f"), num(r["onnxruntime_gflops"], ".0f"), num(r["ratio"], ".2f"),
+                      " ".join(r["kernels"]))
+        con.print(t)
     if args.profile_json:
         atomic_write_json(args.profile_json, {
-            "model": model.name, "classes": rows, "provenance": provenance(target),
+            "model": model.name, "classes": rows, "convs": convs, "provenance": provenance(target),
             **{k: p.to_json() for k, p in profiles.items()}})
         con.print(f"wrote {args.profile_json}")
 

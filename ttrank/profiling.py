@@ -11,7 +11,8 @@ theirs. So this profiles both engines inside their own model runs:
 - onnxruntime: its own profiler, per node.
 
 Both are summed per op class (conv 3x3, depthwise 3x3, matmul, ...; :func:`tvm_class`,
-:func:`ort_class`). Profiling is not free: the hook is a Python call with the call's arguments
+:func:`ort_class`), and the convolutions per geometry (:func:`conv_table`): which of ttrank's
+convs runs slowest next to onnxruntime's for the same conv, the one to tune deeper. Profiling is not free: the hook is a Python call with the call's arguments
 before and after every VM call, and it slows small kernels (MobileNetV2 on znver2: 10.4 ms a run
 instrumented, 6.4 ms not), so each profile also times the same model without it
 (``plain_run_ms``): the kernels' shares hold, their absolute times are an upper bound. The
@@ -23,6 +24,7 @@ MobileNetV2's instrumented runs took 24 ms).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -70,6 +72,49 @@ class Profile:
                 "plain_run_ms": None if self.plain_run_ms is None else round(self.plain_run_ms, 4),
                 "kernels_ms": round(self.kernels_ms(), 4),
                 "items": [{**i, "ms": round(i["ms"], 5)} for i in sorted(self.items, key=lambda i: -i["ms"])]}
+
+
+def conv_geometry(data: list[int], weight: list[int], out: list[int]) -> dict | None:
+    """A convolution's geometry, the same in both engines' layouts (NCHW, or channels in blocks,
+    NCHWc): channels, rows and columns in and out, kernel size and groups (the weight holds
+    out-channels x in-channels per group x kernel, in any layout); None if the shapes are not
+    a 2-D conv's."""
+    if len(data) not in (4, 5) or len(out) not in (4, 5) or len(weight) < 4:
+        return None
+    h, w, ho, wo, kh, kw = data[2], data[3], out[2], out[3], weight[2], weight[3]
+    if not all((h, w, ho, wo, kh, kw)):
+        return None
+    cin, cout = math.prod(data[1:]) // (h * w), math.prod(out[1:]) // (ho * wo)
+    per_group = math.prod(weight) // (cout * kh * kw)
+    if not per_group or cin % per_group:
+        return None
+    return {"cin": cin, "h": h, "w": w, "cout": cout, "ho": ho, "wo": wo, "kh": kh, "kw": kw,
+            "groups": cin // per_group}
+
+
+def conv_flops(g: dict) -> float:
+    """Multiply-adds x 2 of one call of a conv of geometry ``g``."""
+    return 2.0 * g["cout"] * (g["cin"] // max(1, g["groups"])) * g["kh"] * g["kw"] * g["ho"] * g["wo"]
+
+
+def conv_label(g: dict) -> str:
+    dw = " depthwise" if g["groups"] == g["cin"] and g["cin"] > 1 else (f" g{g['groups']}" if g["groups"] > 1 else "")
+    return f"{g['cin']}x{g['h']}x{g['w']} -> {g['cout']}x{g['ho']}x{g['wo']} {g['kh']}x{g['kw']}{dw}"
+
+
+def _tvm_conv(kernel: Kernel | None) -> dict | None:
+    if kernel is None or "conv" not in kernel.anchor_op or "transpose" in kernel.anchor_op:
+        return None
+    if len(kernel.input_shapes) < 2:
+        return None
+    return conv_geometry(kernel.input_shapes[0], kernel.input_shapes[1], kernel.output_shape)
+
+
+def _ort_conv(node: dict) -> dict | None:
+    op, ins, outs = node.get("op") or "", node.get("inputs") or [], node.get("outputs") or []
+    if "Conv" not in op or "Transpose" in op or len(ins) < 2 or not outs:
+        return None
+    return conv_geometry(ins[0], ins[1], outs[0])
 
 
 def _conv_class(kind: str, kh: int | None, kw: int | None) -> str:
@@ -271,12 +316,14 @@ def profile(model: LoadedModel, compiled: CompiledModel, kernels: Iterable[Kerne
     for name in sorted({n for r in tv.runs for n in r}):
         items.append({"name": name, "op_class": tvm_class(name, by_name.get(name)),
                       "calls": tv.calls.get(name, 0),
-                      "ms": 1e3 * statistics.fmean(r.get(name, 0.0) for r in tv.runs)})
+                      "ms": 1e3 * statistics.fmean(r.get(name, 0.0) for r in tv.runs),
+                      "conv": _tvm_conv(by_name.get(name))})
     out = {"ttrank": Profile("ttrank", 1e3 * statistics.fmean(tv.run_s), items, 1e3 * statistics.fmean(plain))}
     if ot is not None:
         nodes = ot.nodes()
         out["onnxruntime"] = Profile("onnxruntime", 1e3 * statistics.fmean(ot.run_s), [
-            {"name": n["node"], "op_class": ort_class(n), "op": n["op"], "calls": 1, "ms": n["mean_ms"]}
+            {"name": n["node"], "op_class": ort_class(n), "op": n["op"], "calls": 1, "ms": n["mean_ms"],
+             "conv": _ort_conv(n)}
             for n in nodes])
     return out
 
@@ -309,3 +356,33 @@ def class_table(profiles: dict[str, Profile]) -> list[dict]:
     for r in (outside, whole):
         r["ratio"] = (r["ttrank_ms"] / r["onnxruntime_ms"]) if r["onnxruntime_ms"] else None
     return rows + [outside, whole]
+
+
+def conv_table(profiles: dict[str, Profile]) -> list[dict]:
+    """Per conv geometry: each engine's in-model ms per run and calls, GFLOP/s, and ttrank /
+    onnxruntime, the largest gap (ttrank's ms over onnxruntime's) first. Only geometries both
+    engines ran: a conv that one engine fused into something else has no partner."""
+    sides: dict[str, dict[tuple, dict]] = {}
+    for engine, prof in profiles.items():
+        acc: dict[tuple, dict] = {}
+        for i in prof.items:
+            g = i.get("conv")
+            if not g:
+                continue
+            a = acc.setdefault(tuple(sorted(g.items())), {"geometry": g, "ms": 0.0, "calls": 0, "names": []})
+            a["ms"] += i["ms"]
+            a["calls"] += i["calls"]
+            a["names"].append(i["name"])
+        sides[engine] = acc
+    tt, ort_ = sides.get("ttrank", {}), sides.get("onnxruntime", {})
+    rows = []
+    for key in tt.keys() & ort_.keys():
+        a, b = tt[key], ort_[key]
+        flops = conv_flops(a["geometry"])
+        rows.append({"conv": conv_label(a["geometry"]), "geometry": a["geometry"], "kernels": a["names"],
+                     "ttrank_ms": a["ms"], "ttrank_calls": a["calls"], "onnxruntime_ms": b["ms"],
+                     "onnxruntime_nodes": b["calls"],
+                     "ttrank_gflops": flops * a["calls"] / a["ms"] / 1e6 if a["ms"] > 0 else None,
+                     "onnxruntime_gflops": flops * b["calls"] / b["ms"] / 1e6 if b["ms"] > 0 else None,
+                     "ratio": a["ms"] / b["ms"] if b["ms"] > 0 else None})
+    return sorted(rows, key=lambda r: -(r["ttrank_ms"] - r["onnxruntime_ms"]))
