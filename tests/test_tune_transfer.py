@@ -241,6 +241,51 @@ def test_transfer_and_measure_onto_other_shapes_and_epilogues(donor_dir, tiny_cn
         m.close()
 
 
+def _tiling_order(trace) -> list[str]:
+    """The loops of a trace's tiling reorder, each named by the SamplePerfectTile its split used."""
+    insts = list(trace.insts)
+    split_of = {o: i for i, inst in enumerate(insts) if inst.kind.name == "Split" for o in inst.outputs}
+    made = {o: (i, j) for i, inst in enumerate(insts) for j, o in enumerate(inst.outputs)}
+    reorder = next(inst for inst in insts if inst.kind.name == "Reorder")
+    out = []
+    for loop in reorder.inputs:
+        src = insts[split_of[loop]].inputs[0]
+        out.append(f"axis{made[src][1]}")
+    return out
+
+
+def test_a_conv_whose_activations_outweigh_its_weights_splits_its_rows_between_threads(donor_dir, tiny_cnn,
+                                                                                       target):
+    """Its outer row tiles come first, so that its threads split the output rows and each reads
+    the rows it wrote in the layer before; the kernel still computes what it computed."""
+    store = donors.DonorStore.load([donor_dir], use_cache=False)
+    ks = [k for k in kernels.extract(frontend.load(tiny_cnn).mod, target) if k.tunable]
+    conv = next(k for k in ks if transfer.splits_rows(k))
+    cands = [c for c in (transfer.transfer(r, conv, w, target) for w, r in store.compatible(conv)) if c.ok]
+    rows = [c for c in cands if c.thread_split == "rows"]
+    assert rows and all(c.summary()["thread_split"] == "rows" for c in rows)
+    for c in rows:
+        order = _tiling_order(c.trace)
+        spatial = order[:next(i for i, a in enumerate(order) if a in ("axis4", "axis5", "axis6"))]
+        # batch and rows of both outer levels first, then channels and columns as the donor had them
+        assert spatial[:4] == ["axis0", "axis2", "axis0", "axis2"] and spatial[4:] == ["axis1", "axis3"] * 2
+    m = measure.Measurer(target)
+    try:
+        res = m.measure([c.mod for c in rows], reference=conv.mod, reference_key=conv.workload_hash)
+        assert all(r.status == "ok" for r in res), [r.error for r in res]
+    finally:
+        m.close()
+    # a matmul has no rows; a conv whose weights outweigh its activations keeps its channel split
+    assert not any(transfer.splits_rows(k) for k in ks if "matmul" in k.anchor_op)
+    heavy = kernels.Kernel(name="c", workload_class="", anchor_op="conv2d_NCHWc", iter_kinds="SSSSSRRRR",
+                           extents=[], epilogue=[], attrs={}, input_shapes=[[1, 64, 14, 14, 8], [64, 64, 3, 3, 8, 8]],
+                           output_shape=[1, 64, 7, 7, 8], dtype="float32", flops=0.0)
+    assert not transfer.splits_rows(heavy)
+    assert transfer.splits_rows(kernels.Kernel(**{**heavy.__dict__, "input_shapes": [[1, 8, 56, 56, 8],
+                                                                                    [8, 8, 1, 1, 8, 8]],
+                                                  "output_shape": [1, 8, 56, 56, 8]}))
+
+
 def test_wrong_result_is_rejected(tiny_cnn, target):
     """A schedule of another kernel (different weights shape) must never pass as this one."""
     model = frontend.load(tiny_cnn)

@@ -39,6 +39,8 @@ def row(network: str, kernel, status: str, latency_s: float | None, reason: str,
                   "record_hash": t.record.trace_hash, "status": status, "reason": reason[:300],
                   "latency_s": latency_s, "untuned_s": untuned_s, "method": t.method,
                   "adapt": t.adapt, "tile_changes": len(t.tile_changes)})
+        if t.thread_split:  # the program measured is the donor's schedule with its rows split
+            r["thread_split"] = t.thread_split
         if scores is not None:
             r["score"], r["cost_score"] = scores
         r["provenance"] = provenance

@@ -606,7 +606,8 @@ def _choose(k: Kernel, picks: list[Pick] | None, fresh: dict[int, dict], rep: Ke
             rep.chosen = {"donor_network": t.donor.network, "donor_kernel": t.donor.kernel.name,
                           "record": t.record.id, "rank": pos, "score": c.score,
                           "cost_score": c.cost_score, "latency_s": r["latency_s"], "method": t.method,
-                          "tile_changes": [ch.to_json() for ch in t.tile_changes]}
+                          "tile_changes": [ch.to_json() for ch in t.tile_changes],
+                          **({"thread_split": t.thread_split} if t.thread_split else {})}
             return t
     return None
 
