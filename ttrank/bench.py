@@ -22,7 +22,10 @@ from .donors import DonorStore, donor_set_dir
 from .programs import cost_model_path, cost_model_without
 from .ranker import Ranker, meta_path
 from .target import host_cores, host_mcpu, make_target
+from .kernels import model_kernels
+from .runtime import write_database
 from .training import ranker_without
+from .transfer import transfer
 from .util import atomic_write_json
 from .workdir import SET_SEPARATOR, read_manifest
 
@@ -180,3 +183,21 @@ def head_commit() -> str | None:
                           cwd=Path(__file__).resolve().parent)
     return proc.stdout.strip() or None
 
+
+
+def report_database(report: dict, model, target, store: DonorStore, db_dir: Path, split_rows: bool = True):
+    """A database of the donor records a ``recommend --json`` report chose, transferred afresh
+    onto ``model``'s kernels (``split_rows``: as :func:`ttrank.transfer.transfer`), and how many
+    of them split their rows. Kernels whose record is not in ``store`` stay untuned."""
+    kernels = {k.name: k for k in model_kernels(model, target)}
+    by_id = {r.id: (w, r) for w in store.workloads for r in w.records}
+    chosen = {}
+    for k in report["kernels"]:
+        rid = (k.get("chosen") or {}).get("record")
+        if k["name"] in kernels and rid in by_id:
+            w, r = by_id[rid]
+            t = transfer(r, kernels[k["name"]], w, target, split_rows=split_rows)
+            if t.ok:
+                chosen[k["name"]] = t
+    db = write_database(db_dir, list(kernels.values()), chosen, target)
+    return db, sum(t.thread_split == "rows" for t in chosen.values())

@@ -336,8 +336,9 @@ def _apply(kernel_mod, trace, method: str, target):
 
 
 def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
-             adapt: str = "ttrank") -> Transferred:
-    """Apply ``record`` (a schedule of ``donor``) to ``kernel``; never raises for bad pairs."""
+             adapt: str = "ttrank", split_rows: bool = True) -> Transferred:
+    """Apply ``record`` (a schedule of ``donor``) to ``kernel``; never raises for bad pairs.
+    ``split_rows=False``: keep the donor's thread split where :func:`splits_rows` would not."""
     cand = Transferred(kernel, donor, record, adapt=adapt)
     if not kernel.compatible(donor.kernel):
         cand.reason = (f"incompatible structure: {donor.kernel.anchor_op}/{donor.kernel.iter_kinds} "
@@ -372,7 +373,7 @@ def transfer(record: DonorRecord, kernel: Kernel, donor: DonorWorkload, target,
     same_blocks = set(target_blocks) == set(donor_blocks)
     methods = ["replay", "anchor"] if same_blocks else ["anchor", "replay"]
     traces = [trace]
-    if splits_rows(kernel):
+    if split_rows and splits_rows(kernel):
         try:
             rows = rows_first(trace, kernel.iter_kinds)
         except Exception as e:
