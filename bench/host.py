@@ -132,6 +132,9 @@ def main() -> int:
         old = others.pop(mcpu, {})
     res = old if old.get("cpu") == mcpu and not args.force else {"cpu": mcpu}
     res["other_cpus"] = others
+    deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
+    if args.native:
+        return run_native(args, res, f"native{tag}", work / f"native-cache{tag}", deadline)
     res.setdefault(shipped, {"networks": {}})
     res.setdefault(adapted_phase, {"networks": {}})
     if args.retime:  # a retime interrupted at this commit goes on where it stopped
@@ -140,9 +143,6 @@ def main() -> int:
             old_phase = res[phase]
             res[phase] = {"networks": {}, "retimed_at": head_commit(),
                           "earlier": [*old_phase.pop("earlier", []), old_phase]}
-    deadline = time.time() + 60 * args.budget_minutes if args.budget_minutes else None
-    if args.native:
-        return run_native(args, res, f"native{tag}", work / f"native-cache{tag}", deadline)
     held = hold_out_cpu(mcpu, work / "shipped-home")
     print(f"held out of the shipped data: {held.rows} rows and {len(held.sets)} donor sets of {mcpu}"
           f"{', ranker refitted without them' if held.retrained else ''}", flush=True)
