@@ -19,11 +19,11 @@ from . import locations
 from .collect import import_tables
 from .convergence import finished_run
 from .donors import DonorStore, donor_set_dir
+from .kernels import model_kernels
 from .programs import cost_model_path, cost_model_without
 from .ranker import Ranker, meta_path
-from .target import host_cores, host_mcpu, make_target
-from .kernels import model_kernels
 from .runtime import write_database
+from .target import host_cores, host_mcpu, make_target
 from .training import ranker_without
 from .transfer import transfer
 from .util import atomic_write_json

@@ -12,10 +12,11 @@ theirs. So this profiles both engines inside their own model runs:
 
 Both are summed per op class (conv 3x3, depthwise 3x3, matmul, ...; :func:`tvm_class`,
 :func:`ort_class`), and the convolutions per geometry (:func:`conv_table`): which of ttrank's
-convs runs slowest next to onnxruntime's for the same conv, the one to tune deeper. Profiling is not free: the hook is a Python call with the call's arguments
-before and after every VM call, and it slows small kernels (MobileNetV2 on znver2: 10.4 ms a run
-instrumented, 6.4 ms not), so each profile also times the same model without it
-(``plain_run_ms``): the kernels' shares hold, their absolute times are an upper bound. The
+convs runs slowest next to onnxruntime's for the same conv, the one to tune deeper. Profiling is
+not free: the hook is a Python call with the call's arguments before and after every VM call,
+and it slows small kernels (MobileNetV2 on znver2: 10.4 ms a run instrumented, 6.4 ms not), so
+each profile also times the same model without it (``plain_run_ms``): the kernels' shares hold,
+their absolute times are an upper bound. The
 engines run in blocks, each after a pause and warm-up runs: right after one engine's runs the
 other's spinning worker threads still hold a core (interleaved in blocks of 5 runs,
 MobileNetV2's instrumented runs took 24 ms).
@@ -85,6 +86,8 @@ def conv_geometry(data: list[int], weight: list[int], out: list[int]) -> dict | 
     if not all((h, w, ho, wo, kh, kw)):
         return None
     cin, cout = math.prod(data[1:]) // (h * w), math.prod(out[1:]) // (ho * wo)
+    if not cin or not cout:
+        return None
     per_group = math.prod(weight) // (cout * kh * kw)
     if not per_group or cin % per_group:
         return None
@@ -98,6 +101,7 @@ def conv_flops(g: dict) -> float:
 
 
 def conv_label(g: dict) -> str:
+    """``in-channels x rows x columns -> out ... kernel``, and depthwise or the groups."""
     dw = " depthwise" if g["groups"] == g["cin"] and g["cin"] > 1 else (f" g{g['groups']}" if g["groups"] > 1 else "")
     return f"{g['cin']}x{g['h']}x{g['w']} -> {g['cout']}x{g['ho']}x{g['wo']} {g['kh']}x{g['kw']}{dw}"
 
