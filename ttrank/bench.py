@@ -190,7 +190,7 @@ def report_database(report: dict, model, target, store: DonorStore, db_dir: Path
     onto ``model``'s kernels (``split_rows``: as :func:`ttrank.transfer.transfer`), and how many
     of them split their rows. Kernels whose record is not in ``store`` stay untuned."""
     kernels = {k.name: k for k in model_kernels(model, target)}
-    by_id = {r.id: (w, r) for w in store.workloads for r in w.records}
+    by_id = store.by_record_id()
     chosen = {}
     for k in report["kernels"]:
         rid = (k.get("chosen") or {}).get("record")

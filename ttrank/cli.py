@@ -216,6 +216,11 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _num(x: float | None, fmt: str) -> str:
+    """A table cell: ``x`` formatted, or "-" where there is none."""
+    return format(x, fmt) if x else "-"
+
+
 def _print_profile(con, args, model, compiled, target) -> None:
     from rich.table import Table
 
@@ -227,10 +232,10 @@ def _print_profile(con, args, model, compiled, target) -> None:
     for r in rows:
         t.add_row(r["op_class"], f"{r['ttrank_ms']:.3f}", str(r.get("ttrank_calls", "")),
                   f"{r['onnxruntime_ms']:.3f}", str(r.get("onnxruntime_nodes", "")),
-                  f"{r['ratio']:.2f}" if r["ratio"] else "-")
+                  _num(r["ratio"], ".2f"))
     con.print(t)
-    top = sorted(profiles["ttrank"].items, key=lambda i: -i["ms"])[:10]
     tt = profiles["ttrank"]
+    top = sorted(tt.items, key=lambda i: -i["ms"])[:10]
     con.print(f"profiling cost: ttrank's run took {tt.run_ms:.2f} ms with the VM's hook on every call, "
               f"{tt.plain_run_ms:.2f} ms without: its kernels' times are upper bounds, their shares hold")
     con.print("heaviest kernels: " + "; ".join(
@@ -241,12 +246,9 @@ def _print_profile(con, args, model, compiled, target) -> None:
         for col in ("conv (in -> out, kernel)", "ttrank ms", "calls", "GFLOP/s", "onnxruntime ms", "GFLOP/s ",
                     "ttrank / onnxruntime", "ttrank's kernels"):
             t.add_column(col, justify="left" if col.startswith(("conv", "ttrank's")) else "right")
-        def num(x: float | None, fmt: str) -> str:
-            return format(x, fmt) if x else "-"
-
         for r in convs[:10]:
-            t.add_row(r["conv"], num(r["ttrank_ms"], ".3f"), str(r["ttrank_calls"]), num(r["ttrank_gflops"], ".0f"),
-                      num(r["onnxruntime_ms"], ".3f"), num(r["onnxruntime_gflops"], ".0f"), num(r["ratio"], ".2f"),
+            t.add_row(r["conv"], _num(r["ttrank_ms"], ".3f"), str(r["ttrank_calls"]), _num(r["ttrank_gflops"], ".0f"),
+                      _num(r["onnxruntime_ms"], ".3f"), _num(r["onnxruntime_gflops"], ".0f"), _num(r["ratio"], ".2f"),
                       " ".join(r["kernels"]))
         con.print(t)
     if args.profile_json:

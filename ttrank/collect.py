@@ -335,8 +335,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
             cpus[key] = cpu_description(prov)
         return cpus[key]
 
-    rec_of: dict[str, tuple[DonorWorkload, DonorRecord]] = {
-        r.id: (w, r) for w in store.workloads for r in w.records}
+    rec_of = store.by_record_id()
     X, y, groups, meta = [], [], [], []
     for d in dirs:
         for table in sorted(Path(d).glob("*.jsonl")):

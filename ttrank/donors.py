@@ -276,6 +276,10 @@ class DonorStore:
     def records(self) -> list[DonorRecord]:
         return [r for w in self.workloads for r in w.records]
 
+    def by_record_id(self) -> dict[str, tuple[DonorWorkload, DonorRecord]]:
+        """Every record by its id, with its workload (a measurement row names its record by id)."""
+        return {r.id: (w, r) for w in self.workloads for r in w.records}
+
     def by_class(self, workload_class: str) -> list[DonorWorkload]:
         return list(self._by_class.get(workload_class, []))
 

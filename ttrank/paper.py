@@ -128,7 +128,7 @@ def choose(net: str, kernels: list, store, ranker, target) -> Picks:
             out.chosen[k.workload_hash] = dict(zip(RANKS, picks))
     out.ranking_seconds = time.time() - t0
 
-    rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
+    rec_of = store.by_record_id()
     best: dict[tuple[str, str], dict] = {}
     for r in read_jsonl(shipped_measurements() / f"{net}.jsonl"):
         if r["record"] == UNTUNED or r["record"] not in rec_of:

@@ -16,10 +16,9 @@ convs runs slowest next to onnxruntime's for the same conv, the one to tune deep
 not free: the hook is a Python call with the call's arguments before and after every VM call,
 and it slows small kernels (MobileNetV2 on znver2: 10.4 ms a run instrumented, 6.4 ms not), so
 each profile also times the same model without it (``plain_run_ms``): the kernels' shares hold,
-their absolute times are an upper bound. The
-engines run in blocks, each after a pause and warm-up runs: right after one engine's runs the
-other's spinning worker threads still hold a core (interleaved in blocks of 5 runs,
-MobileNetV2's instrumented runs took 24 ms).
+their absolute times are an upper bound. The engines run in blocks, each after a pause and
+warm-up runs: right after one engine's runs the other's spinning worker threads still hold a core
+(interleaved in blocks of 5 runs, MobileNetV2's instrumented runs took 24 ms).
 """
 
 from __future__ import annotations

@@ -320,7 +320,7 @@ def candidate_vectors(ds, store, target) -> np.ndarray:
     """Program vectors of a dataset's candidates, each transferred onto its target kernel again
     (about 0.1-0.3 s each; cached per network under the cache dir, by the rows' ids)."""
     featurizer = Featurizer(target)
-    rec_of = {r.id: (w, r) for w in store.workloads for r in w.records}
+    rec_of = store.by_record_id()
     out = np.full((len(ds.meta), WIDTH), np.nan, dtype=np.float32)
     for net in ds.networks:
         rows = [i for i, m in enumerate(ds.meta) if m["network"] == net]
