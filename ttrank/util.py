@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -371,7 +372,11 @@ def fill_caches(paths: dict[Path, Path], job, *args) -> list[Path]:
     those itself)."""
     todo = [src for src, cache in paths.items() if not cache.exists()]
     if len(todo) > 1 and host_cores() > 1:
-        Parallel(n_jobs=min(host_cores(), len(todo)))(
-            delayed(job)(str(src), *args, str(paths[src])) for src in todo)
+        with warnings.catch_warnings():
+            # loky replaces a worker whose memory grew (TVM's allocations do) and warns that
+            # "a worker stopped"; its jobs go to the new worker, so the user has nothing to do
+            warnings.filterwarnings("ignore", message="A worker stopped while some jobs")
+            Parallel(n_jobs=min(host_cores(), len(todo)))(
+                delayed(job)(str(src), *args, str(paths[src])) for src in todo)
         todo = [src for src in todo if not paths[src].exists()]
     return todo
