@@ -121,14 +121,17 @@ def main() -> None:
     baselines["exhaustive"] = {k: 1.0 for k in KEYS}
 
     # the ranker for many CPUs: each CPU's own leave-one-network-out, and leave one CPU out
-    from ttrank.evaluate import leave_one_cpu_out, per_cpu
+    from ttrank.evaluate import by_cpu, leave_one_cpu_out, per_cpu
     from ttrank.ranker import Ranker
 
     def make():
         return Ranker(n_estimators=args.trees, **cfg)
 
+    held = {net: [i for i, m in enumerate(ds.meta) if m["network"] == net] for net in nets}
     cpus = {"per_cpu": per_cpu(ds, make), "per_cpu_pooled": per_cpu(ds, make, pooled=True),
-            "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
+            "leave_one_cpu_out": leave_one_cpu_out(ds, make),
+            # what recommend picks: the ranker (pooled, seed 0) and the second stage if enabled
+            "per_cpu_ttrank": by_cpu(ds, res["scores"], held)}
 
     curve = {f"top{k}": res["average"].get(f"top{k}") for k in KS}
     out = {"ranker": best, "configs": {o: {k: r["average"].get(k) for k in KEYS}
@@ -165,16 +168,19 @@ def main() -> None:
         lines.append(f"| **average** | {a['top1']:.3f} | {a['top3']:.3f} | {a['top5']:.3f} | "
                      f"{a['ndcg5']:.3f} | {a['within5']:.2f} | {_fmt(baselines['paper'].get('top1'))} | "
                      f"{baselines['nearest_shape']['top3']:.3f} |")
-    lines += ["", "Per CPU (the ranker alone, leave one network out scored on that CPU's rows: trained on its "
+    lines += ["", "Per CPU (leave one network out scored on that CPU's rows. The ranker alone: trained on its "
               "rows alone, or pooled over every CPU's rows of the other networks; leave one CPU out trains on "
-              "the other CPUs' rows):", "",
-              "| CPU | rows | own top-1 | own top-3 | pooled top-1 | pooled top-3 | leave-one-CPU-out top-1 | top-3 |",
-              "|---|---|---|---|---|---|---|---|"]
+              "the other CPUs' rows. ttrank: what recommend picks, the pooled ranker then the second stage):", "",
+              "| CPU | rows | own top-1 | own top-3 | pooled top-1 | pooled top-3 | leave-one-CPU-out top-1 | top-3 "
+              "| ttrank top-1 | ttrank top-3 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     lo = cpus["leave_one_cpu_out"]
     for c, r in cpus["per_cpu"].items():
         m, p, o = r["average"], cpus["per_cpu_pooled"][c]["average"], lo["cpus"].get(c) or {}
+        t = cpus["per_cpu_ttrank"][c]["average"]
         lines.append(f"| {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
-                     f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | {_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+                     f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | {_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} | "
+                     f"{_fmt(t.get('top1'))} | {_fmt(t.get('top3'))} |")
     if not lo["cpus"]:
         lines += ["", f"Leave one CPU out needs rows from two CPUs or more; the data has {', '.join(lo['have'])}."]
     lines += ["", "| method | top-1 | top-3 | top-5 | NDCG@5 |", "|---|---|---|---|---|"]

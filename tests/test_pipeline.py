@@ -165,6 +165,19 @@ def test_metrics_on_known_orders():
     assert m["top1"] == 0.25 and m["top3"] == 0.5 and m["within5"] == 0.0
 
 
+def test_a_rejected_transfer_is_no_pick():
+    # recommend transfers in rank order and skips a rejected candidate before measuring, so the
+    # ranking is scored on the next one
+    meta = [{"latency_s": None, "status": "rejected", "weight": 1.0},
+            {"latency_s": 2.0, "status": "ok", "weight": 1.0},
+            {"latency_s": 1.0, "status": "ok", "weight": 1.0},
+            {"latency_s": None, "status": "run_error", "weight": 1.0}]
+    ds = collect.Dataset(np.zeros((4, len(FEATURE_NAMES))), np.array([0.0, 0.5, 1.0, 0.0]), [4], meta)
+    assert evaluate(ds, np.array([9.0, 2.0, 1.0, 0.0]))["top1"] == 0.5
+    # a candidate that fails only when it runs was measured: it costs the pick
+    assert evaluate(ds, np.array([0.0, 2.0, 1.0, 9.0]))["top1"] == 0.0
+
+
 def test_rank_returns_scored_candidates_without_measuring(trained, donor_dir, tiny_cnn):
     model = frontend.load(tiny_cnn)
     ranked = ttrank.rank(model, store=donors.DonorStore.load([donor_dir]),

@@ -366,7 +366,8 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                     X.append(vector(store.pair_features(k, w, rec, cpu=cpu_of(r.get("provenance") or {}))))
                     y.append(rv)
                     meta.append({"network": r["network"], "workload": wh, "record": r["record"],
-                                 "latency_s": r["latency_s"], "weight": k.weight,
+                                 "latency_s": r["latency_s"], "status": r["status"],
+                                 "weight": k.weight,
                                  "donor_network": r.get("donor_network"),
                                  "untuned_s": r.get("untuned_s"),
                                  "mcpu": (r.get("provenance") or {}).get("mcpu"),

@@ -18,6 +18,7 @@ from joblib import Parallel, delayed
 from .collect import Dataset
 from .features import FEATURE_NAMES
 from .ranking import FixedK
+from .transfer import REJECTED
 from .target import host_cores
 
 
@@ -28,6 +29,14 @@ def group_spans(ds: Dataset) -> list[tuple[int, int]]:
         out.append((start, start + g))
         start += g
     return out
+
+
+def candidates(ds: Dataset, a: int, b: int) -> tuple[list[int], list[float | None]]:
+    """The rows of group ``[a, b)`` that a ranking can pick, and their latencies (None: failed
+    or wrong). A candidate whose transfer is rejected is never measured: recommend takes the
+    next one in rank order (:func:`ttrank.ranking.shortlist`), so it is no pick here either."""
+    picks = [i for i in range(a, b) if ds.meta[i].get("status") != REJECTED] or list(range(a, b))
+    return picks, [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in picks]
 
 
 KS = tuple(range(1, 11))
@@ -59,12 +68,12 @@ def evaluate(ds: Dataset, scores: np.ndarray, rows: list[int] | None = None) -> 
     for a, b in group_spans(ds):
         if keep is not None and a not in keep:
             continue
-        lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]
+        picks, lat = candidates(ds, a, b)
         best = min((x for x in lat if x), default=None)
         if best is None:
             continue
         w = ds.meta[a]["weight"] * best
-        for key, v in group_metrics(lat, scores[a:b]).items():
+        for key, v in group_metrics(lat, scores[picks]).items():
             acc[key] += w * v
         total_w += w
     return {k: v / total_w for k, v in acc.items()} if total_w else {}
@@ -229,19 +238,20 @@ def policy_curve(ds: Dataset, scores: np.ndarray, policies: dict[str, FixedK]) -
     spans = []
     net_total: dict[str, float] = defaultdict(float)
     for a, b in group_spans(ds):
-        lat = [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in range(a, b)]
+        picks, lat = candidates(ds, a, b)
         best = min((x for x in lat if x), default=None)
         if best is None:
             continue
         m = ds.meta[a]
         cost = m["weight"] * (m.get("untuned_s") or best)
         net_total[m["network"]] += cost
-        spans.append((a, b, lat, best, cost))
+        spans.append((picks, lat, best, cost))
     out = {}
     for name, policy in policies.items():
         acc = total_w = n_k = 0.0
-        for a, b, lat, best, cost in spans:
-            s = np.asarray(scores[a:b])
+        for picks, lat, best, cost in spans:
+            a = picks[0]
+            s = np.asarray(scores[picks])
             order = np.argsort(-s, kind="stable")
             share = cost / net_total[ds.meta[a]["network"]]
             k = policy.k(s[order], share)
