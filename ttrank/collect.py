@@ -314,7 +314,7 @@ class Dataset:
     X: "object"  # np.ndarray [n, features]
     y: "object"  # relevance per row
     groups: list[int]
-    meta: list[dict]  # per row: network, workload, record, latency_s
+    meta: list[dict]  # per row: network, workload, record, latency_s, status, ...
 
     @property
     def networks(self) -> list[str]:

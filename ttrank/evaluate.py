@@ -3,6 +3,7 @@
 top-k score (TenSet): for each target kernel, best latency among all measured candidates
 divided by the best latency among the model's top-k; averaged with kernel weights x best
 latency (the kernel's share of the model's time). NDCG@5 uses the relevances in [0, 1].
+A candidate whose transfer was rejected is no pick: recommend skips it before measuring.
 """
 
 from __future__ import annotations
