@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ttrank
-from ttrank import collect, donors, frontend, measure, pipeline
+from ttrank import collect, donors, frontend, measure, pipeline, training
 from ttrank.cli import main
 from ttrank.errors import RankerError
 from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_network_out
@@ -176,6 +176,25 @@ def test_a_rejected_transfer_is_no_pick():
     assert evaluate(ds, np.array([9.0, 2.0, 1.0, 0.0]))["top1"] == 0.5
     # a candidate that fails only when it runs was measured: it costs the pick
     assert evaluate(ds, np.array([0.0, 2.0, 1.0, 9.0]))["top1"] == 0.0
+
+
+def test_adaptive_measuring_is_calibrated_to_the_rankers_score_scale():
+    # the ranker's top-1 is 2x slower than its second: measuring both keeps the quality, and the
+    # gap that lets AdaptiveK see that scales with the scores (a regression's or rank:ndcg's)
+    meta = [{"network": "net", "latency_s": x, "status": "ok", "weight": 1.0, "untuned_s": 5.0}
+            for x in (2.0, 1.0, 3.0)]
+    ds = collect.Dataset(np.zeros((3, len(FEATURE_NAMES))), np.array([0.5, 1.0, 1 / 3]), [3], meta)
+    small = training.calibrate_policy(ds, np.array([1.0, 0.9, 0.0]), top_k=2)
+    large = training.calibrate_policy(ds, np.array([10.0, 9.0, 0.0]), top_k=2)
+    assert (small["gap"], large["gap"]) == (0.1, 1.6)
+    assert small["quality"] == large["quality"] == small["fixed_quality"] == 1.0
+    assert policy_of(_ranker_with(policy=large), top_k=2).k([10.0, 9.0, 0.0], share=1.0) == 2
+
+
+def _ranker_with(**metadata) -> Ranker:
+    r = Ranker()
+    r.metadata = metadata
+    return r
 
 
 def test_rank_returns_scored_candidates_without_measuring(trained, donor_dir, tiny_cnn):

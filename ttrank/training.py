@@ -15,11 +15,12 @@ from .collect import Dataset, build_dataset, collect_networks
 from .donors import DonorStore, add_work_dir
 from .errors import RankerError, TTRankError
 from .evaluate import (KEYS, baseline_scores, by_cpu, choose_top_k, evaluate, group_spans,
-                       leave_one_network_out)
+                       leave_one_network_out, policy_curve)
 from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
 from .ranker import OBJECTIVES, Ranker
+from .ranking import AdaptiveK, FixedK
 from .target import make_target, provenance, vector_class
 from .util import cache_dir, sha256_of
 from .workdir import RECORD_FILE, db_file
@@ -200,9 +201,34 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
             report["stage2"]["cost_model"] = cm_path.name
     # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores
     report["top_k"] = choose_top_k(loo, max_k=5)
+    if len(ds.networks) >= 2:
+        report["policy"] = calibrate_policy(ds, results[report["config"]]["scores"], report["top_k"])
     ranker = Ranker(n_estimators=n_estimators, **best).fit(ds.X, ds.y, ds.groups)
     _save(ranker, out, ds, dirs, report)
     return report
+
+
+# AdaptiveK's score gaps to calibrate over: the scores' scale depends on the objective (a
+# regression's estimate relative throughput; rank:ndcg's top two differ by ~0.3 at the median)
+POLICY_GAPS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+
+
+def calibrate_policy(ds: Dataset, scores: np.ndarray, top_k: int, full_share: float = 0.01,
+                     tolerance: float = 0.002) -> dict:
+    """``AdaptiveK``'s score gap for a ranker, from its leave-one-network-out ``scores``: the
+    smallest gap whose quality is within ``tolerance`` of measuring ``top_k`` everywhere (the
+    gap that keeps the quality with the fewest candidates). A gap fixed for one objective's
+    scores measures too few candidates for another's: on the same data, gap 0.4 keeps 0.965 of
+    the quality with a regression ranker, and 0.923 with a rank:ndcg one."""
+    policies: dict = {"fixed": FixedK(top_k)}
+    policies.update({g: AdaptiveK(top_k, gap=g, full_share=full_share) for g in POLICY_GAPS})
+    curve = policy_curve(ds, scores, policies)
+    goal = curve["fixed"]["quality"] - tolerance
+    gap = next((g for g in POLICY_GAPS if curve[g]["quality"] >= goal),
+               max(POLICY_GAPS, key=lambda g: curve[g]["quality"]))
+    return {"gap": gap, "full_share": full_share, "quality": curve[gap]["quality"],
+            "candidates": curve[gap]["candidates"], "fixed_quality": curve["fixed"]["quality"],
+            "fixed_candidates": curve["fixed"]["candidates"]}
 
 
 def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: dict) -> dict:
@@ -217,7 +243,8 @@ def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: 
     # which ranker it copied, by content (its path is one machine's)
     copied = {k: like.metadata.get(k) for k in ("date", "model_sha256", "training_rows")}
     report.update(config=config_label(params), objective=params["objective"], refit_like=copied,
-                  top_k=like.metadata.get("top_k") or 3, leave_one_network_out=None)
+                  top_k=like.metadata.get("top_k") or 3, leave_one_network_out=None,
+                  policy=like.metadata.get("policy"))
     stage2 = like.metadata.get("stage2")
     if stage2 and stage2.get("enabled") and like.path is not None:
         # the cost model learned the donors' tuning logs, not the measurements: it carries over
@@ -237,7 +264,7 @@ def _save(ranker: Ranker, out: Path, ds: Dataset, dirs: list[Path], report: dict
     ranker.save(out, training_data_hash=data_hash(ds), training_rows=int(len(ds.y)),
                 training_groups=len(ds.groups), training_networks=ds.networks,
                 measurement_dirs=[locations.portable(d) for d in dirs], threads=prov.get("threads"),
-                top_k=report["top_k"], stage2=report.get("stage2"),
+                top_k=report["top_k"], stage2=report.get("stage2"), policy=report.get("policy"),
                 cpu=", ".join(cpu_models), mcpu=", ".join(data_cpus), data_cpus=data_cpus,
                 fitted_on={"cpu": prov["cpu"], "mcpu": prov["mcpu"]}, tvm=prov["tvm"], date=prov["date"],
                 evaluation={k: v for k, v in report.items() if k != "configs"})
