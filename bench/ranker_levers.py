@@ -22,35 +22,32 @@ import numpy as np
 
 
 class Extra:
-    """A ranker over the feature columns plus columns computed from the rows' identities: X's
-    last column is the row's index into the dataset, which ``extra(rows, memory, fitting)`` turns
-    into features (``memory``: the rows the model is fitted on and their labels, which it may use;
-    ``fitting``: ``rows`` are those rows themselves)."""
+    """A ranker (``ranker``'s parameters) over its feature columns plus those of ``step``, which
+    computes features from the rows' identities: X's last column is the row's index into the
+    dataset. ``step.fit(rows, y)`` sees the training rows and their labels;
+    ``step.transform(rows, fitting)`` gives the extra columns (``fitting``: of those rows)."""
 
-    def __init__(self, params: dict, extra, width: int):
-        self.params, self.extra, self.width = params, extra, width
+    def __init__(self, ranker, step, width: int):
+        self.ranker, self.step, self.width = ranker, step, width
 
     def _x(self, X, fitting: bool):
         rows = X[:, self.width].astype(int)
-        return np.hstack([X[:, :self.width], self.extra(rows, self.memory, fitting)])
+        return np.hstack([X[:, :self.width], self.step.transform(rows, fitting)])
 
     def fit(self, X, y, groups):
         import xgboost as xgb
 
-        self.memory = (X[:, self.width].astype(int), np.asarray(y))
-        Xa = self._x(X, True)
-        p = {k: v for k, v in self.params.items()}
-        d = xgb.DMatrix(Xa, label=y)
-        if p["objective"].startswith("rank:"):
+        self.step.fit(X[:, self.width].astype(int), np.asarray(y))
+        d = xgb.DMatrix(self._x(X, True), label=y)
+        if self.ranker.objective.startswith("rank:"):
             d.set_group(np.asarray(groups))
-        self.booster = xgb.train(p, d, num_boost_round=p.pop("n_estimators", 300))
+        self.booster = xgb.train(self.ranker.xgb_params(), d, num_boost_round=self.ranker.n_estimators)
         return self
 
     def predict(self, X):
         import xgboost as xgb
 
-        Xa = self._x(X, False)
-        return self.booster.predict(xgb.DMatrix(Xa))
+        return self.booster.predict(xgb.DMatrix(self._x(X, False)))
 
 
 class Bagged:
@@ -75,48 +72,67 @@ RELATIVE = ("r_donor_gflops", "r_donor_pred_s", "r_donor_rank", "r_donor_rel_lat
             "a_l1_spatial", "a_acc_bytes", "a_vec_extent", "s_unroll", "s_ninsts")
 
 
-def relative_columns(X: np.ndarray, group_of: np.ndarray, cols: list[int]):
-    """extra(rows): each column minus its maximum over the kernel's candidates, and its rank
-    among them in [0, 1]."""
+class Columns:
+    """Fixed per-row columns (``table[row]``), such as program features: nothing to learn."""
 
-    def extra(rows, _memory, _fitting):
-        out = np.zeros((len(rows), 2 * len(cols)), np.float32)
-        g = group_of[rows]
+    def __init__(self, table: np.ndarray):
+        self.table = table
+
+    def fit(self, rows, y):
+        return self
+
+    def transform(self, rows, fitting):
+        return self.table[rows]
+
+
+class RelativeColumns(Columns):
+    """Each of ``cols`` minus its maximum over the kernel's candidates, and its rank among them
+    in [0, 1]."""
+
+    def __init__(self, X: np.ndarray, group_of: np.ndarray, cols: list[int]):
+        self.X, self.group_of, self.cols = X, group_of, cols
+
+    def transform(self, rows, fitting):
+        out = np.zeros((len(rows), 2 * len(self.cols)), np.float32)
+        g = self.group_of[rows]
         for gid in np.unique(g):
             at = np.flatnonzero(g == gid)
-            sub = X[rows[at]][:, cols]
-            out[at, :len(cols)] = sub - np.nanmax(sub, axis=0)
-            out[at, len(cols):] = sub.argsort(0).argsort(0) / max(len(at) - 1, 1)
+            sub = self.X[rows[at]][:, self.cols]
+            out[at, :len(self.cols)] = sub - np.nanmax(sub, axis=0)
+            out[at, len(self.cols):] = sub.argsort(0).argsort(0) / max(len(at) - 1, 1)
         return out
-    return extra
 
 
-def record_memory(shape: np.ndarray, record: np.ndarray, cpu: np.ndarray, network: np.ndarray):
-    """extra(rows): the relevance the same donor record reached on the nearest workload (L1 of
-    the log extents) it was measured on, on the same CPU and on any CPU, with that distance and
-    how often it was measured. Training rows look only at other networks' rows."""
+class RecordMemory:
+    """The relevance the same donor record reached on the nearest workload (L1 of the log
+    extents) it was measured on among the training rows, on the same CPU and on any CPU, with
+    that distance and how often it was measured. A training row looks only at other networks'."""
 
-    def extra(rows, memory, fitting):
-        t_rows, t_y = memory
+    def __init__(self, shape: np.ndarray, record: np.ndarray, cpu: np.ndarray, network: np.ndarray):
+        self.shape, self.record, self.cpu, self.network = shape, record, cpu, network
+
+    def fit(self, rows, y):
         index = defaultdict(list)
-        for i, yi in zip(t_rows, t_y):
-            index[(record[i], cpu[i])].append((i, yi))
-            index[(record[i], None)].append((i, yi))
-        index = {k: (np.array([a for a, _ in v]), np.array([b for _, b in v])) for k, v in index.items()}
+        for i, yi in zip(rows, y):
+            index[(self.record[i], self.cpu[i])].append((i, yi))
+            index[(self.record[i], None)].append((i, yi))
+        self.index = {k: (np.array([a for a, _ in v]), np.array([b for _, b in v])) for k, v in index.items()}
+        return self
+
+    def transform(self, rows, fitting):
         out = np.full((len(rows), 6), np.nan, np.float32)
         for j, i in enumerate(rows):
-            for k, key in enumerate(((record[i], cpu[i]), (record[i], None))):
-                if key not in index:
+            for k, key in enumerate(((self.record[i], self.cpu[i]), (self.record[i], None))):
+                if key not in self.index:
                     continue
-                r, ys = index[key]
+                r, ys = self.index[key]
                 if fitting:  # the row's own network is held out of its own feature
-                    keep = network[r] != network[i]
+                    keep = self.network[r] != self.network[i]
                     r, ys = r[keep], ys[keep]
                 if len(r):
-                    d = np.abs(shape[r] - shape[i]).sum(1)
+                    d = np.abs(self.shape[r] - self.shape[i]).sum(1)
                     out[j, 3 * k:3 * k + 3] = (ys[d <= d.min() + 1e-6].mean(), d.min(), np.log2(len(r)))
         return out
-    return extra
 
 
 def main() -> None:
@@ -140,20 +156,12 @@ def main() -> None:
     ds = build_dataset([shipped_measurements(required=True)], store)
     shipped = Ranker.load()
     base = {k: v for k, v in shipped.get_params().items() if k != "seed"}
-    cols = shipped._cols
-    width = len(FEATURE_NAMES)
+    cols = [FEATURE_NAMES.index(n) for n in shipped.feature_names]
     group_of = np.repeat(np.arange(len(ds.groups)), ds.groups)
     meta = {k: np.array([m.get(k) or "" for m in ds.meta]) for k in ("record", "mcpu", "network")}
     shape_cols = [i for i, n in enumerate(FEATURE_NAMES) if n.startswith("t_ext")] + \
         [FEATURE_NAMES.index(n) for n in ("t_kernel_h", "t_stride", "t_groups", "t_depthwise", "t_nreduce")]
     shape = np.nan_to_num(ds.X[:, shape_cols].astype(np.float64))
-
-    def xgb_params(seed, **over):
-        p = {"objective": base["objective"], "max_depth": base["max_depth"], "eta": base["learning_rate"],
-             "subsample": base["subsample"], "colsample_bytree": base["colsample_bytree"],
-             "min_child_weight": base["min_child_weight"], "nthread": 1, "verbosity": 0, "seed": seed,
-             "n_estimators": base["n_estimators"]}
-        return {**p, **over}
 
     # the ranker's columns and each row's index (for :class:`Extra`)
     dsx = Dataset(np.hstack([ds.X[:, cols], np.arange(len(ds.y), dtype=np.float32)[:, None]]),
@@ -166,9 +174,9 @@ def main() -> None:
         "600 trees": (ds, lambda s: Ranker(**{**base, "seed": s, "n_estimators": 600})),
         "rank:ndcg": (ds, lambda s: Ranker(**{**base, "seed": s, "objective": "rank:ndcg"})),
         "relative to the kernel's candidates": (dsx, lambda s: Extra(
-            xgb_params(s), relative_columns(ds.X, group_of, rel), w)),
+            Ranker(**{**base, "seed": s}), RelativeColumns(ds.X, group_of, rel), w)),
         "the record's relevance on its nearest workload": (dsx, lambda s: Extra(
-            xgb_params(s), record_memory(shape, meta["record"], meta["mcpu"], meta["network"]), w)),
+            Ranker(**{**base, "seed": s}), RecordMemory(shape, meta["record"], meta["mcpu"], meta["network"]), w)),
         "3 seeds bagged (subsample 0.8, columns 0.5)": (ds, lambda s: Bagged(lambda k: Ranker(**{
             **base, "seed": 3 * s + k, "subsample": 0.8, "colsample_bytree": 0.5}), 3)),
     }
@@ -178,7 +186,7 @@ def main() -> None:
 
         P = candidate_vectors(ds, store, make_target(None))
         levers["program features of the transferred candidate"] = (dsx, lambda s: Extra(
-            xgb_params(s), lambda rows, _m, _f: P[rows], w))
+            Ranker(**{**base, "seed": s}), Columns(P), w))
 
     out: dict = {"rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "seeds": args.seeds,
                  "shipped": base, "levers": {}, "provenance": provenance()}

@@ -36,7 +36,7 @@ def candidates(ds: Dataset, a: int, b: int) -> tuple[list[int], list[float | Non
     """The rows of group ``[a, b)`` that a ranking can pick, and their latencies (None: failed
     or wrong). A candidate whose transfer is rejected is never measured: recommend takes the
     next one in rank order (:func:`ttrank.ranking.shortlist`), so it is no pick here either."""
-    picks = [i for i in range(a, b) if ds.meta[i].get("status") != REJECTED] or list(range(a, b))
+    picks = [i for i in range(a, b) if ds.meta[i].get("status") != REJECTED]
     return picks, [ds.meta[i]["latency_s"] if ds.y[i] > 0 else None for i in picks]
 
 

@@ -111,21 +111,24 @@ class Ranker(BoosterModel):
         if X.shape[1] != self.width:
             raise RankerError(f"X has {X.shape[1]} features, schema v{FEATURE_VERSION} has "
                               f"{self.width}")
-        params = {"objective": self.objective, "max_depth": self.max_depth,
-                  "eta": self.learning_rate, "subsample": self.subsample,
-                  "colsample_bytree": self.colsample_bytree, "min_child_weight": self.min_child_weight,
-                  "seed": self.seed,
-                  "nthread": self.n_jobs, "verbosity": 0}
-        if self.objective.startswith("rank:"):
-            params["lambdarank_pair_method"] = "topk" if self.objective == "rank:ndcg" else "mean"
-            if self.objective == "rank:ndcg":
-                params["ndcg_exp_gain"] = False  # relevances are real numbers in [0, 1]
         d = xgb.DMatrix(X[:, self._cols], label=np.asarray(y, dtype=np.float32),
                         feature_names=self.feature_names)
         if self.objective.startswith("rank:"):
             d.set_group(np.asarray(groups, dtype=np.uint32))
-        self.booster = xgb.train(params, d, num_boost_round=self.n_estimators)
+        self.booster = xgb.train(self.xgb_params(), d, num_boost_round=self.n_estimators)
         return self
+
+    def xgb_params(self) -> dict[str, Any]:
+        """The parameters :meth:`fit` hands ``xgboost.train`` (besides the number of rounds)."""
+        params = {"objective": self.objective, "max_depth": self.max_depth,
+                  "eta": self.learning_rate, "subsample": self.subsample,
+                  "colsample_bytree": self.colsample_bytree, "min_child_weight": self.min_child_weight,
+                  "seed": self.seed, "nthread": self.n_jobs, "verbosity": 0}
+        if self.objective.startswith("rank:"):
+            params["lambdarank_pair_method"] = "topk" if self.objective == "rank:ndcg" else "mean"
+            if self.objective == "rank:ndcg":
+                params["ndcg_exp_gain"] = False  # relevances are real numbers in [0, 1]
+        return params
 
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Scores: higher means expected faster (comparable within one target kernel)."""
