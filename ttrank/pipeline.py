@@ -67,6 +67,11 @@ SIBLING_K = 1
 SLOW_BUILD_S = 4.0
 # the command line's default measuring budget: 3 minutes on 2 cores for ResNet-50
 MEASURE_SECONDS = 120.0
+# candidates measured next, in rank order, for a kernel whose picks all failed or lost to its
+# untuned kernel: the ranker's top was wrong for this CPU, and its next often is not. On rocketlake
+# an EfficientNet-B4 depthwise conv (stride 2) measured one pick, 0.441 ms against 0.369 untuned,
+# and stayed untuned; the candidate ranked next in another run ran 0.028 ms.
+SECOND_LOOK = 3
 
 Progress = Callable[[str, int, int, str], None]
 
@@ -91,6 +96,7 @@ class KernelReport:
     beside: list = field(default_factory=list)  # record ids measured besides the k (a schedule
     # tuned on this CPU that the ranker left out)
     sibling_of: str = ""  # the heavier kernel of the same anchor whose fastest candidates it measured
+    second_look: int = 0  # candidates measured after its first picks all failed or lost to untuned
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -324,18 +330,34 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     fresh: dict[int, dict] = {}  # row by id(pick), of both phases
     counts = {"measured": 0, "left": 0}
 
-    def measure(ks: list[Kernel], budget: float | None) -> None:
+    def measure(ks: list[Kernel], budget: float | None, todo_picks: dict[str, list[Pick]] | None = None) -> None:
+        todo_picks = picks if todo_picks is None else todo_picks
+
         def on_batch(new: dict[int, dict], n: int) -> None:
             anytime.append(_anytime_point("measuring", t_start, kernels, picks, {**fresh, **new}, reports,
                                           counts["measured"] + n))
-        todo = sum(1 for k in ks for p in picks[k.name] or [] if p.row is None)
-        new, left = _measure_picks(model.name, ks, picks, shares, measurer, table, reports, stamp, budget,
+        todo = sum(1 for k in ks for p in todo_picks[k.name] or [] if p.row is None)
+        new, left = _measure_picks(model.name, ks, todo_picks, shares, measurer, table, reports, stamp, budget,
                                    t0, progress, on_batch)
         fresh.update(new)
         counts["measured"] += todo - left
         counts["left"] += left
 
+    def second_look(ks: list[Kernel]) -> None:
+        # the next candidates of the kernels whose picks all missed, within the same budget
+        t = time.time()
+        more = {k.name: got for k in ks if ranked.get(k.name) and _missed(picks[k.name], fresh, reports[k.name])
+                and (got := _next_picks(k, ranked[k.name], picks[k.name] or [], reports[k.name], stage2,
+                                        cached, target, build_s))}
+        for name, got in more.items():
+            picks[name] = [*(picks[name] or []), *got]
+            reports[name].second_look = len(got)
+        phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
+        if more:
+            measure([k for k in ks if k.name in more], budget_s, more)
+
     measure(first, budget_s)
+    second_look(first)
     # then each sibling measures its lead's fastest (one candidate each, even past the budget:
     # without it the kernel would stay untuned), or its own shortlist when the lead has none
     t = time.time()
@@ -351,6 +373,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
     measure(shared, None)
     measure(orphans, budget_s)
+    second_look(orphans)
     unmeasured = counts["left"]
     chosen = {k.name: t for k in kernels
               if (t := _choose(k, picks[k.name], fresh, reports[k.name], target)) is not None}
@@ -405,6 +428,30 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     picks = [picks[0], *(p for p in picks[1:] if not _slow_build(p, build_s or {}, rep))] if picks else picks
     rep.beside = [p.candidate.record.id for p in picks if p.beside]
     return picks, share
+
+
+def _missed(picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport) -> bool:
+    """Whether a kernel's picks were measured and none ran correctly faster than its untuned
+    kernel (a kernel whose picks the budget left unmeasured has not missed)."""
+    rows = [r for p in picks or [] if (r := p.row or fresh.get(id(p))) is not None]
+    ok = [r["latency_s"] for r in rows if r["status"] == "ok" and r["latency_s"]]
+    return bool(rows) and (not ok or (rep.untuned_s is not None and min(ok) >= rep.untuned_s))
+
+
+def _next_picks(k: Kernel, ranked: list[Candidate], picks: list[Pick], rep: KernelReport,
+                stage2: SecondStage | None, cached: dict, target,
+                build_s: dict[str, float] | None = None) -> list[Pick]:
+    """The :data:`SECOND_LOOK` candidates after ``picks`` in the kernel's shortlist order (their
+    programs not among ``picks``'), for :func:`_measure`'s second look."""
+    seen = {i for p in picks if p.candidate is not None for i in (p.candidate.record.id, *p.same_program)}
+    programs = {p.transferred.program_hash() for p in picks if p.transferred is not None}
+    longer = shortlist(k, ranked, len(picks) + SECOND_LOOK, target, stage2 if rep.top_k > 1 else None,
+                       _known(k, cached, rep), rep.rejections)
+    rep.rejections[:] = list(dict.fromkeys(map(tuple, rep.rejections)))  # the first picks' came twice
+    fresh = [p for p in longer if p.candidate is not None and p.candidate.record.id not in seen
+             and (p.transferred is None or p.transferred.program_hash() not in programs)
+             and not _slow_build(p, build_s or {}, rep)]
+    return fresh[:SECOND_LOOK]
 
 
 def _slow_build(p: Pick, build_s: dict[str, float], rep: KernelReport) -> bool:
