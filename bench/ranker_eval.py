@@ -212,7 +212,7 @@ def cpus_only(args) -> None:
     from ttrank.bench import results_dir
     from ttrank.collect import build_dataset
     from ttrank.donors import DonorStore, shipped_work_dirs
-    from ttrank.evaluate import leave_one_cpu_out, per_cpu
+    from ttrank.evaluate import leave_one_cpu_out, per_cpu, repeat_agreement
     from ttrank.locations import shipped_measurements
     from ttrank.ranker import Ranker
     from ttrank.target import provenance
@@ -247,6 +247,18 @@ def cpus_only(args) -> None:
             lines.append(f"| {label} | {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
                          f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | "
                          f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+    out["repeat_agreement"] = repeat = repeat_agreement(ds)
+    lines += ["", "**How well the labels repeat.** A ranker learns from one measurement of each candidate and is "
+              "scored on that measurement. Where two networks share a workload, a CPU's table measured the "
+              "same candidates twice (two kernel groups): the same candidate's two latencies apart (median "
+              "|log ratio|), and the top-1 and top-3 of ordering the candidates by one measurement and scoring "
+              "them on the other (`evaluate.repeat_agreement`), what knowing the first measurement exactly "
+              "would reach.", "",
+              "| CPU | pairs of groups | candidates per pair | median abs log ratio | top-1 | top-3 |",
+              "|---|---|---|---|---|---|"]
+    for c, r in repeat.items():
+        lines.append(f"| {c} | {r['pairs']} | {r['candidates_per_pair']:.1f} | {r['median_abs_log_ratio']:.3f} | "
+                     f"{_fmt(r['top1'])} | {_fmt(r['top3'])} |")
     res_dir = args.out or results_dir()
     res_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(res_dir / "ranker_cpus.json", out)

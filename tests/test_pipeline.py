@@ -13,7 +13,7 @@ import ttrank
 from ttrank import collect, donors, frontend, measure, pipeline, training
 from ttrank.cli import main
 from ttrank.errors import RankerError
-from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_network_out
+from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_network_out, repeat_agreement
 from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
 from ttrank.ranker import Ranker, meta_path
 from ttrank.ranking import policy_of
@@ -176,6 +176,21 @@ def test_a_rejected_transfer_is_no_pick():
     assert evaluate(ds, np.array([9.0, 2.0, 1.0, 0.0]))["top1"] == 0.5
     # a candidate that fails only when it runs was measured: it costs the pick
     assert evaluate(ds, np.array([0.0, 2.0, 1.0, 9.0]))["top1"] == 0.0
+
+
+def test_repeated_measurements_bound_what_a_ranker_can_score():
+    # two networks share a workload, so one CPU measured its three candidates twice: ordered by
+    # the first measurement, the second puts the pick 1.5x behind its best
+    def row(net, record, lat):
+        return {"network": net, "workload": "w", "mcpu": "cpu", "record": record, "latency_s": lat,
+                "status": "ok", "weight": 1.0}
+    meta = [row("a", "r1", 1.0), row("a", "r2", 1.1), row("a", "r3", 3.0),
+            row("b", "r1", 1.5), row("b", "r2", 1.0), row("b", "r3", 3.0)]
+    ds = collect.Dataset(np.zeros((6, len(FEATURE_NAMES))), np.ones(6), [3, 3], meta)
+    got = repeat_agreement(ds)["cpu"]
+    assert got["pairs"] == 2 and got["candidates_per_pair"] == 3
+    assert got["top1"] == pytest.approx((1.0 / 1.5 + 1.0 / 1.1) / 2) and got["top3"] == 1.0
+    assert got["median_abs_log_ratio"] == pytest.approx(np.log(1.1))
 
 
 def test_adaptive_measuring_is_calibrated_to_the_rankers_score_scale():

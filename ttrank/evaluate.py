@@ -199,6 +199,39 @@ def leave_one_cpu_out(ds: Dataset, make_model: Callable[[], object]) -> dict:
     return {"cpus": by_cpu, "average": _averaged(by_cpu), "have": sorted(set(map(str, cpus)))}
 
 
+def repeat_agreement(ds: Dataset, min_common: int = 3) -> dict[str, dict]:
+    """How well one measurement of a CPU's candidates predicts another: per CPU, every pair of
+    kernel groups that measured the same workload on it (two networks share a conv) and at
+    least ``min_common`` of the same candidates. ``median_abs_log_ratio``: the same candidate's
+    two latencies apart (median over candidates); ``top1``/``top3``: candidates ordered by one
+    group's latencies, scored on the other's as :func:`group_metrics` scores a ranker (each
+    pair both ways). A ranker learns from such labels and is scored on them: this is the
+    top-1 that knowing the first measurement exactly would reach."""
+    seen: dict[tuple[str, str], list[dict[str, float | None]]] = defaultdict(list)
+    for a, b in group_spans(ds):
+        picks, lat = candidates(ds, a, b)
+        meta = ds.meta[a]
+        seen[(meta.get("mcpu") or "unknown", meta["workload"])].append(
+            {ds.meta[i]["record"]: x for i, x in zip(picks, lat)})
+    acc: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (cpu, _), groups in seen.items():
+        for i, first in enumerate(groups):
+            for j, second in enumerate(groups):
+                common = [r for r in first if i != j and r in second and first[r] and second[r]]
+                if len(common) < min_common:
+                    continue
+                m = group_metrics([second[r] for r in common], -np.array([first[r] for r in common]), ks=(1, 3))
+                out = acc[cpu]
+                out["top1"].append(m["top1"])
+                out["top3"].append(m["top3"])
+                out["log_ratio"] += [abs(math.log(first[r] / second[r])) for r in common]
+                out["common"].append(len(common))
+    return {cpu: {"pairs": len(v["top1"]), "candidates_per_pair": float(np.mean(v["common"])),
+                  "median_abs_log_ratio": float(np.median(v["log_ratio"])),
+                  "top1": float(np.mean(v["top1"])), "top3": float(np.mean(v["top3"]))}
+            for cpu, v in sorted(acc.items())}
+
+
 def choose_top_k(average: dict[str, float], goal: float = 0.97, min_gain: float = 0.005,
                  max_k: int = KS[-1]) -> int:
     """The default k for measuring: the smallest k whose leave-one-out top-k score reaches
