@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tvm_ffi
 
-from ttrank import donors, frontend, kernels, measure, transfer, util, zoo
+from ttrank import donors, frontend, kernels, measure, measurements, transfer, util, zoo
 from ttrank.cli import main
 from ttrank.target import make_target
 from ttrank.tune import count_trials, tune
@@ -608,3 +608,25 @@ def test_a_search_starts_from_the_transferred_schedules_it_is_seeded_with(donor_
     # ...and its database holds what its own search measured, nothing else
     assert count_trials(work)[k.name]["done"] == 4
     assert len((work / RECORD_FILE).read_text().splitlines()) == 4
+
+
+def test_a_measurement_beside_other_work_says_how_much_it_took(tiny_cnn, target):
+    """A measurement taken while another process spins on a core records that core as taken
+    (rows keep it, and such rows are neither reused nor learned from: measurements.disturbed)."""
+    k = max((k for k in kernels.extract(frontend.load(tiny_cnn).mod, target) if k.tunable), key=lambda k: k.flops)
+    m = measure.Measurer(target, measure.RunnerSpec(rounds=3, min_repeat_ms=100))
+    # another program's process, not ours: started by a shell that exits at once
+    spinner = int(subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                                 capture_output=True, text=True, check=True).stdout)
+    try:
+        busy = m.measure([k.mod])[0]
+    finally:
+        os.kill(spinner, signal.SIGKILL)
+        m.close()
+    assert busy.ok and busy.foreign is not None
+    assert busy.foreign.cores >= measurements.DISTURBED_CORES
+    assert m.busiest() == busy.foreign
+    row = measurements.row("tiny_cnn", k, busy.status, busy.latency_s, busy.error, {}, foreign=busy.foreign_json)
+    assert measurements.disturbed(row)
+    assert not measurements.disturbed({**row, "foreign_load": {"others": 0.1, "steal": 0.0}})
+

@@ -108,7 +108,8 @@ def candidate_rows(kernel: Kernel, cands: list, results: list, network: str,
         # a fleet: which devices ran it
         rows.append(measurements.row(network, kernel, status, lat, reason, prov, c, untuned_s=untuned_s,
                                      pool="paper" if c.adapt == "tvm" else "ranked",
-                                     devices=m.devices if m is not None else None))
+                                     devices=m.devices if m is not None else None,
+                                     foreign=m.foreign_json if m is not None else None))
     return rows
 
 
@@ -171,9 +172,11 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     prov = compact_provenance(spec.provenance(target) if spec is not None else provenance(target))
     if spec is not None:  # how each latency was taken
         prov["runner"] = spec.protocol()
-    # rows measured on another CPU (or thread count) do not count as done: this one gets its own
+    # rows measured on another CPU (or thread count) do not count as done: this one gets its own;
+    # nor do rows measured while other work kept the machine busy
     rec_of = {r.id: r for r in store.records()}
-    mine = [r for r in load_rows(table) if same_cpu(r, prov) and is_current(r, rec_of.get(r["record"]))]
+    mine = [r for r in load_rows(table) if same_cpu(r, prov) and is_current(r, rec_of.get(r["record"]))
+            and not measurements.disturbed(r)]
     done = {measurement_key(r) for r in mine}
     untuned = {r["workload"]: r["latency_s"] for r in mine if r["record"] == UNTUNED}
     stats = CollectStats(network, len(kernels))
@@ -200,7 +203,8 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
             if k.workload_hash not in untuned:
                 m = baseline.measure([k.mod])[0]
                 untuned[k.workload_hash] = m.latency_s
-                append_jsonl(table, measurements.row(network, k, m.status, m.latency_s, m.error, prov))
+                append_jsonl(table, measurements.row(network, k, m.status, m.latency_s, m.error, prov,
+                                                     foreign=m.foreign_json))
             if ranker is not None:
                 pairs = [(c.donor, c.record) for c in rank_kernel(k, store, ranker, exclude, cpu)[:max_per_kernel]]
             else:
@@ -347,7 +351,7 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
             by_kernel: dict[tuple[str, tuple], dict[str, dict]] = {}
             for row in read_jsonl(table):
                 if row.get("record") == UNTUNED or row["workload"] not in kernels \
-                        or (row.get("adapt") or "ttrank") != "ttrank":
+                        or (row.get("adapt") or "ttrank") != "ttrank" or measurements.disturbed(row):
                     continue
                 cpu = machine_of(row.get("provenance") or {})
                 by_kernel.setdefault((row["workload"], cpu), {})[row["record"]] = row  # last wins

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import psutil
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuilder
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
@@ -655,6 +656,59 @@ class RunnerSpec:
 # Batch measurement
 
 
+@dataclass(frozen=True)
+class CpuShare:
+    """What this machine's CPUs did besides our own processes over a stretch of time, in cores
+    (mean over the stretch): ``others`` ran other processes' work, ``steal`` went to other
+    virtual machines (the hypervisor's steal time). Either skews a timing: a candidate's repeats
+    and the kernel's other candidates no longer see the same machine."""
+
+    others: float
+    steal: float
+
+    @property
+    def cores(self) -> float:
+        return self.others + self.steal
+
+    def to_json(self) -> dict:
+        return {"others": round(self.others, 2), "steal": round(self.steal, 2)}
+
+
+class ForeignLoad:
+    """Samples :class:`CpuShare` between :meth:`start` and :meth:`stop`: the machine's busy CPU
+    time (psutil's system-wide times) less that of this process and its children (the runner's
+    and builders' workers)."""
+
+    BUSY = ("user", "nice", "system", "irq", "softirq")
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._t0 = self._busy0 = self._steal0 = self._ours0 = 0.0
+
+    def _ours(self) -> float:
+        total = 0.0
+        for p in (self._me, *self._me.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                c = p.cpu_times()  # children_*: its children that ended, no longer in the tree
+                total += c.user + c.system + c.children_user + c.children_system
+        return total
+
+    def _system(self) -> tuple[float, float]:
+        c = psutil.cpu_times()
+        return sum(getattr(c, k, 0.0) for k in self.BUSY), getattr(c, "steal", 0.0)
+
+    def start(self) -> None:
+        self._t0, (self._busy0, self._steal0), self._ours0 = time.monotonic(), self._system(), self._ours()
+
+    def stop(self) -> CpuShare | None:
+        wall = time.monotonic() - self._t0
+        if wall <= 0.05:  # too short to say anything: the counters tick at 10 ms
+            return None
+        busy, steal = self._system()
+        ours = self._ours() - self._ours0
+        return CpuShare(max(0.0, busy - self._busy0 - ours) / wall, max(0.0, steal - self._steal0) / wall)
+
+
 @dataclass
 class Measurement:
     """The outcome of building and running one scheduled module."""
@@ -665,10 +719,17 @@ class Measurement:
     all_secs: list[float] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # RPC: the device of each run, in order
     build_s: float | None = None  # its build's seconds in a pool worker (check included)
+    # locally: the cores other processes kept busy (and the hypervisor took) while its batch ran
+    foreign: CpuShare | None = None
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def foreign_json(self) -> dict | None:
+        """:attr:`foreign` as its measurement row stores it."""
+        return self.foreign.to_json() if self.foreign is not None else None
 
 
 class Measurer:
@@ -686,6 +747,7 @@ class Measurer:
         # where measuring time goes; "build_wait": the part of "build" that the runs did not
         # hide (measure_stream builds the next batch while this one runs)
         self.seconds = {"build": 0.0, "run": 0.0, "build_wait": 0.0}
+        self.foreign: list[CpuShare] = []  # locally, per batch run: what other work took meanwhile
 
     @property
     def runner(self):
@@ -867,6 +929,9 @@ class Measurer:
             idx.append(i)
             paths.append(value.path)
         t1 = time.time()
+        load = ForeignLoad() if self.spec.kind == "local" else None  # a remote device's is not ours to see
+        if load is not None:
+            load.start()
         secs: dict[int, list[float]] = {i: [] for i in idx}
         devices: dict[int, list[str]] = {i: [] for i in idx}
         errors: dict[int, str] = {}
@@ -940,8 +1005,12 @@ class Measurer:
             else:
                 out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""),
                                      devices=devices[i])
+        foreign = load.stop() if load is not None else None
+        if foreign is not None:
+            self.foreign.append(foreign)
         for i in idx:  # where the measuring time went, per candidate
             out[i].build_s = built[i][1].build_s
+            out[i].foreign = foreign
         for p in paths:
             _rm(p)
         self.seconds["run"] += time.time() - t1
@@ -984,6 +1053,10 @@ class Measurer:
         none from a builder of another kind."""
         return self.builder.kept_objects(funcs, target) if isinstance(self.builder, WarmPoolBuilder) else {}
 
+    def busiest(self) -> CpuShare | None:
+        """Of the batches run so far (locally), the one that other work disturbed most."""
+        return max(self.foreign, key=lambda f: f.cores, default=None)
+
     def baseline(self) -> Measurer:
         """A measurer sharing this builder that runs once: for slow untuned kernels, where
         one run is long enough to time and repeats would cost seconds each."""
@@ -992,7 +1065,7 @@ class Measurer:
                 spec = RunnerSpec(**{**self.spec.__dict__, "number": 1, "repeat": 1, "min_repeat_ms": 0,
                                      "rounds": 1})
                 m = Measurer(self.target, spec, builder=self.builder)
-                m.seconds = self.seconds  # one account for both
+                m.seconds, m.foreign = self.seconds, self.foreign  # one account for both
                 self._baselines.append(m)
             return self._baselines[0]
 

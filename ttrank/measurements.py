@@ -20,13 +20,14 @@ UNTUNED = "untuned"  # the record id of a kernel's own, untuned, schedule
 def row(network: str, kernel, status: str, latency_s: float | None, reason: str, provenance: dict,
         transferred=None, *, untuned_s: float | None = None, scores: tuple | None = None,
         pool: str | None = None, target_key: str | None = None, devices: list | None = None,
-        build_s: float | None = None) -> dict:
+        build_s: float | None = None, foreign: dict | None = None) -> dict:
     """One line of the table: the untuned kernel when ``transferred`` is None, else a
     transferred donor schedule (a :class:`ttrank.transfer.Transferred`). ``scores``:
     (ranker score, cost-model score) when a ranking chose it; ``pool``: which sample the
     collector drew it from; ``target_key``: the target the run compiled for; ``devices``: on
     a fleet, the device that ran each timed pass (:class:`ttrank.fleet.FleetRunner`);
-    ``build_s``: its build's seconds (compile and output check), where measuring time went."""
+    ``build_s``: its build's seconds (compile and output check), where measuring time went;
+    ``foreign``: the cores other work kept busy while it ran (:class:`ttrank.measure.CpuShare`)."""
     r = {"network": network, "kernel": kernel.name, "workload": kernel.workload_hash,
          "class": kernel.workload_class}
     if transferred is None:
@@ -52,7 +53,22 @@ def row(network: str, kernel, status: str, latency_s: float | None, reason: str,
         r["devices"] = list(devices)
     if build_s is not None:
         r["build_s"] = round(build_s, 3)
+    if foreign is not None:
+        r["foreign_load"] = foreign
     return r
+
+
+# a row measured while other work kept this many cores busy (or other virtual machines took them)
+# is not kept as a label, nor reused: on a 2-core znver5 whose rows were collected at a load of
+# 3.5-4.2, one candidate measured 3.3 ms in one network's table and 0.49 ms in another's
+DISTURBED_CORES = 0.5
+
+
+def disturbed(r: dict) -> bool:
+    """Whether a row was measured while other work took :data:`DISTURBED_CORES` or more of
+    the machine (rows from before the measurer sampled it are taken as undisturbed)."""
+    f = r.get("foreign_load") or {}
+    return (f.get("others") or 0.0) + (f.get("steal") or 0.0) >= DISTURBED_CORES
 
 
 def key(r: dict) -> tuple[str, str]:

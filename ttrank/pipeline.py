@@ -205,7 +205,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         Path(output).with_suffix("") if output else data_dir / "databases" / model.name)
     # a run killed while replacing these outputs left its plan: finish it, so they agree again
     finish_moves(_commit_plan(db_dir))
-    rows = {measurements.key(r): r for r in read_jsonl(table)}  # the last row of a key counts
+    # the last row of a key counts; one measured on a busy machine is measured again
+    rows = {measurements.key(r): r for r in read_jsonl(table) if not measurements.disturbed(r)}
     cached = {key: r for key, r in rows.items() if r.get("target_key", tkey) == tkey and same_cpu(r, prov)}
 
     # the build and run workers start while the kernels are ranked (Measurer.warm)
@@ -245,6 +246,11 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         if STOP_REQUESTED.is_set():
             raise KeyboardInterrupt
         t_measure = time.time() - t0
+        busiest = measurer.busiest()
+        if busiest is not None and busiest.cores >= measurements.DISTURBED_CORES:
+            note(f"other work took {busiest.others:.1f} cores (other virtual machines {busiest.steal:.1f}) "
+                 "while candidates ran: their timings may be skewed, so those rows are neither reused "
+                 "nor learned from; rerun on a quiet machine")
         t_build, t_run = measurer.seconds["build"], measurer.seconds["run"]
         if (busy := measurer.build_busy_s) is not None:
             phases["measuring_build_busy"] = round(busy, 2)
@@ -277,6 +283,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                             "total": round(time.time() - t_start, 2)},
                   str(target), compiled, {**provenance(target), "fast_math": model.fast_math, "layout": model.layout,
                                           "top_k": top_k, "minor_share": policy.minor_share,
+                                          **({"foreign_load_max": busiest.to_json()} if busiest else {}),
                                           "policy": policy.to_json(),
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
                                           "measure_budget_s": measure_budget_s,
@@ -390,7 +397,7 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
     for k, m in zip(need, done):
         r = cached[(k.workload_hash, UNTUNED)] = measurements.row(
             network, k, m.status, m.latency_s, m.error, stamp["provenance"], target_key=stamp["target_key"],
-            devices=m.devices)
+            devices=m.devices, foreign=m.foreign_json)
         append_jsonl(table, r)
     for k in kernels:
         reports[k.name].untuned_s = cached[(k.workload_hash, UNTUNED)]["latency_s"]
@@ -597,7 +604,7 @@ def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pi
                 network, k, m.status if not m.ok else "ok", m.latency_s, m.error, stamp["provenance"],
                 p.transferred, untuned_s=reports[k.name].untuned_s, scores=(c.score, c.cost_score),
                 target_key=stamp["target_key"], devices=m.devices,  # devices: a fleet's, that ran it
-                build_s=m.build_s)
+                build_s=m.build_s, foreign=m.foreign_json)
             rows.append(r)
             note_best(k, r)
         append_jsonl(table, rows)
