@@ -89,6 +89,9 @@ def one(net: str, layout: str = "nchw", phase: str = "", leave_one_out: bool = T
             "fast_math": (report.get("provenance") or {}).get("fast_math"), "ranker": ranker_id(),
             "layout": (report.get("provenance") or {}).get("layout"),
             "max_abs_error_vs_onnxruntime": report["max_abs_error_vs_onnxruntime"],
+            # what else ran while its candidates were measured (the worst batch) and while it was timed
+            "foreign_load": {"measuring": (report.get("provenance") or {}).get("foreign_load_max"),
+                             "timing": lat.get("foreign_load")},
             "command": " ".join(cmd[:4]) + " ...", "commit": head_commit(), "provenance": provenance(),
             **({} if leave_one_out else {"own_kernels_chosen": sum(
                 (k.get("chosen") or {}).get("donor_network") == net for k in report["kernels"])})}

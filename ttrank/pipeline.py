@@ -26,7 +26,7 @@ from .errors import CheckError, TTRankError
 from .features import parse_trace
 from .frontend import LoadedModel
 from .kernels import Kernel, model_kernels
-from .measure import COLD_CACHE, Measurer, RunnerSpec
+from .measure import COLD_CACHE, ForeignLoad, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
 from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, same_anchor,
@@ -274,6 +274,10 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
     # another architecture (compiled is None): the host can neither load the model nor time it
     lat = (_time(model, target, compiled, reports, untuned_run_limit_s if time_untuned else 0.0, progress)
            if time_model and compiled is not None else {})
+    if measurements.disturbed(lat):
+        f = lat["foreign_load"]
+        note(f"other work took {f['others']:.1f} cores (other virtual machines {f['steal']:.1f}) while the "
+             "model was timed: its latencies may be skewed")
     return Result(model.name, list(reports.values()), str(db_dir), str(output) if output else None, lat,
                   max_err, {"ranking": round(t_rank, 2),
                             **({"refitting_ranker": round(t_refit, 2)} if t_refit else {}),
@@ -797,8 +801,12 @@ def _time(model: LoadedModel, target, compiled: CompiledModel, reports: dict[str
     else:
         lat["untuned"] = lat["untuned_estimated_from_kernels"]
         lat["untuned_source"] = "sum of untuned kernels"
+    load = ForeignLoad()
+    load.start()
     side = alternate_ms(model, {"tuned": compiled}, rounds=5, min_repeat_ms=200)
     lat["tuned"], lat["onnxruntime"] = side["tuned"], side["onnxruntime"]
+    if (timed := load.stop()) is not None:  # what else ran meanwhile: a benchmark reads it
+        lat["foreign_load"] = timed.to_json()
     progress("timing", 1, 1, "")
     return lat
 
