@@ -379,6 +379,12 @@ def test_a_kernel_whose_picks_lose_to_its_untuned_kernel_gets_a_second_look(trai
     assert any(k.second_look == pipeline.SECOND_LOOK for k in looked)
     # a kernel that measured its lead's fastest (the same conv, another epilogue) takes no second look
     assert all(not k.second_look for k in res.kernels if k.sibling_of)
+    # nor one whose untuned code is worth less than minor_share of the model as tuned so far
+    res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
+                           ranker=Ranker.load(trained), top_k=1, adaptive=False, minor_share=1.0,
+                           data_dir=tmp_path / "data2", database_dir=tmp_path / "db2",
+                           time_model=False, tune_missing=0)
+    assert any(k.measured for k in res.kernels) and not any(k.second_look for k in res.kernels)
 
 
 def test_a_record_known_to_compile_slowly_is_measured_only_as_a_first_pick(trained, donor_dir, tiny_cnn, target,

@@ -9,8 +9,10 @@ describes its kernels (:func:`write_kernels`): a row's features need its kernel.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+from .errors import TTRankError
 from .kernels import Kernel
 from .util import atomic_write_json, file_lock
 
@@ -60,15 +62,29 @@ def row(network: str, kernel, status: str, latency_s: float | None, reason: str,
 
 # a row measured while other work kept this many cores busy (or other virtual machines took them)
 # is not kept as a label, nor reused: on a 2-core znver5 whose rows were collected at a load of
-# 3.5-4.2, one candidate measured 3.3 ms in one network's table and 0.49 ms in another's
+# 3.5-4.2, one candidate measured 3.3 ms in one network's table and 0.49 ms in another's.
+# $TTRANK_DISTURBED_CORES sets another limit (inf: keep every row, as the tests do)
 DISTURBED_CORES = 0.5
 
 
-def disturbed(r: dict) -> bool:
-    """Whether a row was measured while other work took :data:`DISTURBED_CORES` or more of
-    the machine (rows from before the measurer sampled it are taken as undisturbed)."""
+def disturbed_limit() -> float:
+    """The cores of other work from which a row counts as disturbed: $TTRANK_DISTURBED_CORES,
+    else :data:`DISTURBED_CORES`."""
+    raw = os.environ.get("TTRANK_DISTURBED_CORES")
+    if not raw:
+        return DISTURBED_CORES
+    try:
+        return float(raw)
+    except ValueError:
+        raise TTRankError(f"TTRANK_DISTURBED_CORES={raw!r} is not a number of cores") from None
+
+
+def disturbed(r: dict, cores: float | None = None) -> bool:
+    """Whether a row was measured while other work took ``cores`` (default
+    :func:`disturbed_limit`) or more of the machine (rows from before the measurer sampled it
+    are taken as undisturbed)."""
     f = r.get("foreign_load") or {}
-    return (f.get("others") or 0.0) + (f.get("steal") or 0.0) >= DISTURBED_CORES
+    return (f.get("others") or 0.0) + (f.get("steal") or 0.0) >= (disturbed_limit() if cores is None else cores)
 
 
 def key(r: dict) -> tuple[str, str]:

@@ -247,7 +247,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
             raise KeyboardInterrupt
         t_measure = time.time() - t0
         busiest = measurer.busiest()
-        if busiest is not None and busiest.cores >= measurements.DISTURBED_CORES:
+        if busiest is not None and measurements.disturbed({"foreign_load": busiest.to_json()}):
             note(f"other work took {busiest.others:.1f} cores (other virtual machines {busiest.steal:.1f}) "
                  "while candidates ran: their timings may be skewed, so those rows are neither reused "
                  "nor learned from; rerun on a quiet machine")
@@ -355,9 +355,13 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         counts["left"] += left
 
     def second_look(ks: list[Kernel]) -> None:
-        # the next candidates of the kernels whose picks all missed, within the same budget
+        # the next candidates of the kernels whose picks all missed, within the same budget; only
+        # where the untuned kernel is worth minor_share of the model as tuned so far (a pooling
+        # kernel of microseconds that its picks did not beat gains nothing to speak of)
         t = time.time()
+        model_s = sum(reports[n].weight * (s or 0.0) for n, s in _best_so_far(kernels, picks, fresh, reports).items())
         more = {k.name: got for k in ks if ranked.get(k.name) and _missed(picks[k.name], fresh, reports[k.name])
+                and k.weight * (reports[k.name].untuned_s or 0.0) >= policy.minor_share * model_s
                 and (got := _next_picks(k, ranked[k.name], picks[k.name] or [], reports[k.name], stage2,
                                         cached, target, build_s))}
         for name, got in more.items():
@@ -544,14 +548,20 @@ def _anytime_point(phase: str, t_start: float, kernels: list[Kernel], picks: dic
     """One point of the anytime curve: seconds since the run began, candidates measured so far,
     and the model's estimated latency with the fastest correct schedule known per kernel (the
     first point, "untuned", counts what earlier runs measured)."""
+    return {"seconds": round(time.time() - t_start, 2), "phase": phase, "measured": measured,
+            "estimated_ms": _estimate_ms(_best_so_far(kernels, picks, fresh, reports), reports)}
+
+
+def _best_so_far(kernels: list[Kernel], picks: dict[str, list[Pick] | None], fresh: dict[int, dict],
+                 reports: dict[str, KernelReport]) -> dict[str, float | None]:
+    """Per kernel, the fastest correct latency known: its measured picks' and its untuned code's."""
     best: dict[str, float | None] = {}
     for k in kernels:
         rep = reports[k.name]
         lats = [r["latency_s"] for p in picks.get(k.name) or []
                 if (r := p.row or fresh.get(id(p))) is not None and r["status"] == "ok" and r["latency_s"]]
         best[k.name] = min([*lats, rep.untuned_s] if rep.untuned_s else lats, default=None)
-    return {"seconds": round(time.time() - t_start, 2), "phase": phase, "measured": measured,
-            "estimated_ms": _estimate_ms(best, reports)}
+    return best
 
 
 def _measure_picks(network: str, kernels: list[Kernel], picks: dict[str, list[Pick]], shares: dict,
