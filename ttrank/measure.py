@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import psutil
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuilder
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
@@ -33,7 +32,7 @@ from .donors import DonorStore, scheduled
 from .errors import DeviceError
 from .features import parse_trace
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, one_cpu, probe
-from .target import cross_compiler, host_cores, host_target_dict, host_triple, provenance
+from .target import CpuShare, ForeignLoad, cross_compiler, host_cores, host_target_dict, host_triple, provenance
 from .util import file_lock
 
 log = logging.getLogger("ttrank")
@@ -654,59 +653,6 @@ class RunnerSpec:
 
 # --------------------------------------------------------------------------------------------
 # Batch measurement
-
-
-@dataclass(frozen=True)
-class CpuShare:
-    """What this machine's CPUs did besides our own processes over a stretch of time, in cores
-    (mean over the stretch): ``others`` ran other processes' work, ``steal`` went to other
-    virtual machines (the hypervisor's steal time). Either skews a timing: a candidate's repeats
-    and the kernel's other candidates no longer see the same machine."""
-
-    others: float
-    steal: float
-
-    @property
-    def cores(self) -> float:
-        return self.others + self.steal
-
-    def to_json(self) -> dict:
-        return {"others": round(self.others, 2), "steal": round(self.steal, 2)}
-
-
-class ForeignLoad:
-    """Samples :class:`CpuShare` between :meth:`start` and :meth:`stop`: the machine's busy CPU
-    time (psutil's system-wide times) less that of this process and its children (the runner's
-    and builders' workers)."""
-
-    BUSY = ("user", "nice", "system", "irq", "softirq")
-
-    def __init__(self) -> None:
-        self._me = psutil.Process()
-        self._t0 = self._busy0 = self._steal0 = self._ours0 = 0.0
-
-    def _ours(self) -> float:
-        total = 0.0
-        for p in (self._me, *self._me.children(recursive=True)):
-            with contextlib.suppress(psutil.Error):
-                c = p.cpu_times()  # children_*: its children that ended, no longer in the tree
-                total += c.user + c.system + c.children_user + c.children_system
-        return total
-
-    def _system(self) -> tuple[float, float]:
-        c = psutil.cpu_times()
-        return sum(getattr(c, k, 0.0) for k in self.BUSY), getattr(c, "steal", 0.0)
-
-    def start(self) -> None:
-        self._t0, (self._busy0, self._steal0), self._ours0 = time.monotonic(), self._system(), self._ours()
-
-    def stop(self) -> CpuShare | None:
-        wall = time.monotonic() - self._t0
-        if wall <= 0.05:  # too short to say anything: the counters tick at 10 ms
-            return None
-        busy, steal = self._system()
-        ours = self._ours() - self._ours0
-        return CpuShare(max(0.0, busy - self._busy0 - ours) / wall, max(0.0, steal - self._steal0) / wall)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .errors import CheckError, TTRankError
 from .features import parse_trace
 from .frontend import LoadedModel
 from .kernels import Kernel, model_kernels
-from .measure import COLD_CACHE, ForeignLoad, Measurer, RunnerSpec
+from .measure import COLD_CACHE, Measurer, RunnerSpec
 from .measurements import UNTUNED, compact_provenance, is_current, same_cpu
 from .ranker import Ranker, data_cpus
 from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, same_anchor,
@@ -34,7 +34,8 @@ from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, po
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
 from .space import SPACE_NETWORK, space_candidates
-from .target import cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance, target_key
+from .target import (ForeignLoad, cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance,
+                     target_key)
 from .training import ranker_without
 from .transfer import Transferred, postprocessors, transfer
 from .tune import TUNING_PROTOCOL, Seed, tune

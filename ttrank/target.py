@@ -16,8 +16,11 @@ import threading
 import time
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+import psutil
 
 from .errors import TTRankError
 
@@ -187,6 +190,59 @@ def cpu_busy_now(window_s: float = 0.3) -> float | None:
     if a is None or b is None or b[0] <= a[0]:
         return None
     return (os.cpu_count() or 1) * (1.0 - (b[1] - a[1]) / (b[0] - a[0]))
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """What this machine's CPUs did besides our own processes over a stretch of time, in cores
+    (mean over the stretch): ``others`` ran other processes' work, ``steal`` went to other
+    virtual machines (the hypervisor's steal time). Either skews a timing: a candidate's repeats
+    and the kernel's other candidates no longer see the same machine."""
+
+    others: float
+    steal: float
+
+    @property
+    def cores(self) -> float:
+        return self.others + self.steal
+
+    def to_json(self) -> dict:
+        return {"others": round(self.others, 2), "steal": round(self.steal, 2)}
+
+
+class ForeignLoad:
+    """Samples :class:`CpuShare` between :meth:`start` and :meth:`stop`: the machine's busy CPU
+    time (psutil's system-wide times) less that of this process and its children (the runner's
+    and builders' workers)."""
+
+    BUSY = ("user", "nice", "system", "irq", "softirq")
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._t0 = self._busy0 = self._steal0 = self._ours0 = 0.0
+
+    def _ours(self) -> float:
+        total = 0.0
+        for p in (self._me, *self._me.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                c = p.cpu_times()  # children_*: its children that ended, no longer in the tree
+                total += c.user + c.system + c.children_user + c.children_system
+        return total
+
+    def _system(self) -> tuple[float, float]:
+        c = psutil.cpu_times()
+        return sum(getattr(c, k, 0.0) for k in self.BUSY), getattr(c, "steal", 0.0)
+
+    def start(self) -> None:
+        self._t0, (self._busy0, self._steal0), self._ours0 = time.monotonic(), self._system(), self._ours()
+
+    def stop(self) -> CpuShare | None:
+        wall = time.monotonic() - self._t0
+        if wall <= 0.05:  # too short to say anything: the counters tick at 10 ms
+            return None
+        busy, steal = self._system()
+        ours = self._ours() - self._ours0
+        return CpuShare(max(0.0, busy - self._busy0 - ours) / wall, max(0.0, steal - self._steal0) / wall)
 
 
 def machine_busy(threshold: float = 0.5) -> str | None:
