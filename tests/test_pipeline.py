@@ -239,8 +239,10 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
     assert r["max_abs_error_vs_onnxruntime"] < 1e-3
     assert r["provenance"]["ranker_data_cpus"] == ["sapphirerapids"]
     assert r["model_latency_ms"]["tuned"] > 0 and r["model_latency_ms"]["onnxruntime"] > 0
-    # what else the machine ran while candidates were measured and the model was timed, in cores
-    assert set(r["provenance"]["foreign_load_max"]) == set(r["model_latency_ms"]["foreign_load"]) == {"others", "steal"}
+    # what else the machine ran while the model was timed (and, for batches long enough to tell,
+    # while candidates were measured), in cores
+    assert set(r["model_latency_ms"]["foreign_load"]) == {"others", "steal"}
+    assert set(r["provenance"].get("foreign_load_max") or {"others": 0, "steal": 0}) == {"others", "steal"}
     assert r["search_seconds"]["total"] > 0
     tuned = [k for k in r["kernels"] if k["status"] == "tuned"]
     assert tuned and all(k["chosen"]["latency_s"] < k["untuned_s"] for k in tuned)

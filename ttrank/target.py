@@ -216,6 +216,9 @@ class ForeignLoad:
     and builders' workers)."""
 
     BUSY = ("user", "nice", "system", "irq", "softirq")
+    # the counters tick at 10 ms: over a shorter stretch one tick of another process would read
+    # as a tenth of a core or more, so such a stretch says nothing
+    MIN_WINDOW_S = 0.2
 
     def __init__(self) -> None:
         self._me = psutil.Process()
@@ -238,7 +241,7 @@ class ForeignLoad:
 
     def stop(self) -> CpuShare | None:
         wall = time.monotonic() - self._t0
-        if wall <= 0.05:  # too short to say anything: the counters tick at 10 ms
+        if wall < self.MIN_WINDOW_S:
             return None
         busy, steal = self._system()
         ours = self._ours() - self._ours0
