@@ -359,6 +359,8 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         # the next candidates of the kernels whose picks all missed, within the same budget; only
         # where the untuned kernel is worth minor_share of the model as tuned so far (a pooling
         # kernel of microseconds that its picks did not beat gains nothing to speak of)
+        if budget_s is not None and time.time() - t0 > budget_s:  # the budget is spent: no batch more
+            return
         t = time.time()
         model_s = sum(reports[n].weight * (s or 0.0) for n, s in _best_so_far(kernels, picks, fresh, reports).items())
         more = {k.name: got for k in ks if ranked.get(k.name) and _missed(picks[k.name], fresh, reports[k.name])
