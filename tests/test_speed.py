@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import ttrank
-from ttrank import donors, frontend, util, zoo
+from ttrank import donors, frontend, ranking, util, zoo
 from ttrank.collect import Dataset
 from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
@@ -20,6 +20,7 @@ from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, FixedK, native_candidate, policy_of, rank_kernel, shortlist
 from ttrank.target import vector_class
+from ttrank.transfer import transfer
 
 
 def test_adaptive_policy_measures_what_the_ranker_is_unsure_of():
@@ -101,6 +102,30 @@ def test_candidates_that_transfer_to_one_program_are_measured_once(trained, dono
     picks = shortlist(kernel, rank_kernel(kernel, store, Ranker.load(trained)), 5, target)
     hashes = [p.transferred.program_hash() for p in picks]
     assert len(hashes) == len(set(hashes))
+
+
+def test_a_second_shortlist_goes_on_after_the_first(trained, donor_dir, tiny_cnn, target, monkeypatch):
+    """recommend's second look asks for the candidates after the picks it measured: those picks,
+    their programs and the transfers that failed are not tried again."""
+    store = donors.DonorStore.load([donor_dir])
+    kernel = next(k for k in extract(frontend.load(tiny_cnn).mod, target) if k.anchor_op == "conv2d_nchw")
+    ranked = rank_kernel(kernel, store, Ranker.load(trained))
+    twin = dataclasses.replace(ranked[0], record=dataclasses.replace(ranked[0].record, id="twin-of-the-first"))
+    broken = dataclasses.replace(ranked[1], record=dataclasses.replace(ranked[1].record, id="broken",
+                                                                       trace_json={"not": "a trace"}))
+    cands = [broken, ranked[0], *ranked[1:], twin]
+    rejected: list = []
+    first = shortlist(kernel, cands, 1, target, rejected=rejected)
+    assert [p.candidate for p in first] == [ranked[0]] and [r for r, _ in rejected] == ["broken"]
+    tried = []
+    monkeypatch.setattr(ranking, "transfer", lambda rec, *a: tried.append(rec.id) or transfer(rec, *a))
+    nxt = [p.candidate.record.id for p in shortlist(kernel, cands, len(cands), target, rejected=rejected,
+                                                    taken=first)]
+    assert nxt and nxt == [c.record.id for c in ranked[1:] if c.record.id in nxt]  # in rank order
+    assert not {ranked[0].record.id, "broken"} & set(tried)
+    assert [r for r, _ in rejected].count("broken") == 1
+    # the twin's transfer gives the first pick's program: noted on it, not measured again
+    assert "twin-of-the-first" in first[0].same_program and "twin-of-the-first" not in nxt
 
 
 def test_a_schedule_tuned_on_this_cpu_is_measured_beside_the_rankers_picks(trained, donor_dir, tiny_cnn,

@@ -98,6 +98,7 @@ class KernelReport:
     # tuned on this CPU that the ranker left out)
     sibling_of: str = ""  # the heavier kernel of the same anchor whose fastest candidates it measured
     second_look: int = 0  # candidates measured after its first picks all failed or lost to untuned
+    late_picks: int = 0  # candidates added once the model as tuned so far showed its share bigger
     measured: list = field(default_factory=list)  # per measured candidate: donor, rank, status, latency
     rejections: list = field(default_factory=list)  # (donor record, reason)
 
@@ -248,7 +249,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
             raise KeyboardInterrupt
         t_measure = time.time() - t0
         busiest = measurer.busiest()
-        if busiest is not None and measurements.disturbed({"foreign_load": busiest.to_json()}):
+        if busiest is not None and busiest.cores >= measurements.disturbed_limit():
             note(f"other work took {busiest.others:.1f} cores (other virtual machines {busiest.steal:.1f}) "
                  "while candidates ran: their timings may be skewed, so those rows are neither reused "
                  "nor learned from; rerun on a quiet machine")
@@ -355,6 +356,43 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         counts["measured"] += todo - left
         counts["left"] += left
 
+    def tuned_so_far() -> dict[str, float | None]:
+        # each kernel's fastest known; a sibling not measured yet, its lead's (the same conv)
+        best = _best_so_far(kernels, picks, fresh, reports)
+        for name, lead in leads.items():
+            if not picks.get(name) and best.get(lead.name) is not None:
+                best[name] = min(best[name] or math.inf, best[lead.name])
+        return best
+
+    def late_picks(ks: list[Kernel]) -> None:
+        # the shares that gave each kernel its k are of the untuned model, where a conv's default
+        # code runs 10-100x its tuned time and a reduction's or a depthwise conv's 2-4x: the model
+        # as tuned so far shows what those weigh. EfficientNet-B0's squeeze-excite means held 0.1%
+        # of its untuned model and measured their top-1 only; the largest is 1.6% of the tuned model
+        # (rocketlake), where its top-1 ran 100 us and a candidate ranked lower 8.7 us
+        if budget_s is not None and time.time() - t0 > budget_s:
+            return
+        t = time.time()
+        best = tuned_so_far()
+        model_s = sum(reports[n].weight * (s or 0.0) for n, s in best.items())
+        more: dict[str, list[Pick]] = {}
+        for k in ks:
+            rep = reports[k.name]
+            if not ranked.get(k.name) or not picks[k.name] or not model_s:
+                continue
+            share = k.weight * (best[k.name] or 0.0) / model_s
+            want = policy.k([c.score for c in ranked[k.name]], share)
+            if want > rep.k and (got := _next_picks(k, ranked[k.name], picks[k.name], rep, stage2, cached,
+                                                    target, build_s, want - rep.k)):
+                more[k.name] = got
+                rep.top_k, rep.k, rep.late_picks = max(rep.top_k, policy.bound(share)), want, len(got)
+                shares[k.name] = share
+        for name, got in more.items():
+            picks[name] = [*(picks[name] or []), *got]
+        phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
+        if more:
+            measure([k for k in ks if k.name in more], budget_s, more)
+
     def second_look(ks: list[Kernel]) -> None:
         # the next candidates of the kernels whose picks all missed, within the same budget; only
         # where the untuned kernel is worth minor_share of the model as tuned so far (a pooling
@@ -362,7 +400,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         if budget_s is not None and time.time() - t0 > budget_s:  # the budget is spent: no batch more
             return
         t = time.time()
-        model_s = sum(reports[n].weight * (s or 0.0) for n, s in _best_so_far(kernels, picks, fresh, reports).items())
+        model_s = sum(reports[n].weight * (s or 0.0) for n, s in tuned_so_far().items())
         more = {k.name: got for k in ks if ranked.get(k.name) and _missed(picks[k.name], fresh, reports[k.name])
                 and k.weight * (reports[k.name].untuned_s or 0.0) >= policy.minor_share * model_s
                 and (got := _next_picks(k, ranked[k.name], picks[k.name] or [], reports[k.name], stage2,
@@ -375,6 +413,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
             measure([k for k in ks if k.name in more], budget_s, more)
 
     measure(first, budget_s)
+    late_picks(first)
     second_look(first)
     # then each sibling measures its lead's fastest (one candidate each, even past the budget:
     # without it the kernel would stay untuned), or its own shortlist when the lead has none
@@ -391,6 +430,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
     measure(shared, None)
     measure(orphans, budget_s)
+    late_picks(orphans)
     second_look(orphans)
     unmeasured = counts["left"]
     chosen = {k.name: t for k in kernels
@@ -458,18 +498,12 @@ def _missed(picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport)
 
 def _next_picks(k: Kernel, ranked: list[Candidate], picks: list[Pick], rep: KernelReport,
                 stage2: SecondStage | None, cached: dict, target,
-                build_s: dict[str, float] | None = None) -> list[Pick]:
-    """The :data:`SECOND_LOOK` candidates after ``picks`` in the kernel's shortlist order (their
-    programs not among ``picks``'), for :func:`_measure`'s second look."""
-    seen = {i for p in picks if p.candidate is not None for i in (p.candidate.record.id, *p.same_program)}
-    programs = {p.transferred.program_hash() for p in picks if p.transferred is not None}
-    longer = shortlist(k, ranked, len(picks) + SECOND_LOOK, target, stage2 if rep.top_k > 1 else None,
-                       _known(k, cached, rep), rep.rejections)
-    rep.rejections[:] = list(dict.fromkeys(map(tuple, rep.rejections)))  # the first picks' came twice
-    fresh = [p for p in longer if p.candidate is not None and p.candidate.record.id not in seen
-             and (p.transferred is None or p.transferred.program_hash() not in programs)
-             and not _slow_build(p, build_s or {}, rep)]
-    return fresh[:SECOND_LOOK]
+                build_s: dict[str, float] | None = None, n: int = SECOND_LOOK) -> list[Pick]:
+    """The ``n`` candidates after ``picks`` in the kernel's shortlist order (their programs not
+    among ``picks``'), for :func:`_measure`'s late picks and second look."""
+    fresh = shortlist(k, ranked, n, target, stage2 if rep.top_k > 1 else None,
+                      _known(k, cached, rep), rep.rejections, taken=picks)
+    return [p for p in fresh if not _slow_build(p, build_s or {}, rep)]
 
 
 def _slow_build(p: Pick, build_s: dict[str, float], rep: KernelReport) -> bool:

@@ -37,6 +37,7 @@ class Candidate:
     score: float  # the ranker's
     features: dict | None = field(default=None, repr=False)
     cost_score: float | None = None  # the program cost model's (second stage, shortlist only)
+    cost_scored: bool = False  # the second stage scored it (cost_score None: its transfer failed)
 
 
 @dataclass
@@ -121,25 +122,31 @@ def rerank(kernel: Kernel, cands: list[Candidate], stage: SecondStage, target,
     """Transfer the shortlist onto ``kernel``, score the programs with the cost model and
     reorder the shortlist by the blend. Returns (candidates, transferred by record id).
     Once ``budget_s`` is spent (after two transfers), the shortlist ends where it got to: the
-    rest keep the ranker's order, behind it."""
+    rest keep the ranker's order, behind it. A candidate an earlier call scored (a second
+    shortlist of the kernel) keeps its score and is not transferred again."""
     short = cands[:stage.shortlist]
     if len(short) < 2:
         return cands, {}
-    done, vecs = {}, []
+    done: dict[str, Transferred] = {}
     t0 = time.time()
-    for i, c in enumerate(short):
-        if i >= 2 and time.time() - t0 > budget_s:
-            short = short[:i]
+    new, vecs = [], []
+    for c in short:
+        if c.cost_scored:  # an earlier shortlist of this kernel scored it
+            continue
+        if len(done) >= 2 and time.time() - t0 > budget_s:
             break
         t = done[c.record.id] = transfer(c.record, kernel, c.donor, target)
+        new.append(c)
         vecs.append(stage.featurizer.of_module(t.mod) if t.ok else np.full(WIDTH, np.nan, dtype=np.float32))
-    X = np.stack(vecs)
-    cost = stage.cost_model.predict(X).astype(np.float64)
-    cost[np.isnan(X).any(axis=1)] = np.nan
-    for c, v in zip(short, cost):
-        c.cost_score = None if np.isnan(v) else float(v)
+    if new:
+        X = np.stack(vecs)
+        for c, v, bad in zip(new, stage.cost_model.predict(X), np.isnan(X).any(axis=1)):
+            c.cost_score, c.cost_scored = (None if bad else float(v)), True
+    short = [c for c in short if c.cost_scored]
+    cost = np.array([np.nan if c.cost_score is None else c.cost_score for c in short], dtype=np.float64)
+    rest = [c for c in cands if not any(c is x for x in short)]
     order = np.argsort(-blend(np.array([c.score for c in short]), cost, stage.weight), kind="stable")
-    return [short[i] for i in order] + cands[len(short):], done
+    return [short[i] for i in order] + rest, done
 
 
 @dataclass
@@ -173,24 +180,30 @@ def native_candidate(cands: list[Candidate], mcpu: str | None, triple: str = "")
 def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: SecondStage | None = None,
               known: Callable[[Candidate], dict | None] | None = None,
               rejected: list | None = None, also: Sequence[Candidate] = (),
-              budget_s: float = RERANK_BUDGET_S) -> list[Pick]:
+              budget_s: float = RERANK_BUDGET_S, taken: Sequence[Pick] = ()) -> list[Pick]:
     """The first ``k`` candidates, in rank order (reordered by ``stage`` if given), that apply to
     ``kernel``: transfers go in rank order until ``k`` succeed (a rejection costs little).
     A candidate whose transfer gives the same program as an earlier pick (structural hash) is
     noted on that pick (``same_program``) and the next one is taken: one program, one build and
     one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
     before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
-    of failed transfers. ``also``: candidates measured besides the ``k`` when they miss them
+    of failed transfers (and those in it are not tried again). ``also``: candidates measured besides the ``k`` when they miss them
     (:func:`native_candidate`). Transfers stop once ``budget_s`` is spent (after two), as in
     :func:`rerank`: where each costs seconds, failing or repeating a program, going down a long
-    list cost minutes."""
+    list cost minutes. ``taken``: picks made before (a first shortlist's); the next ``k`` after
+    them are returned, their candidates not transferred again and their programs not repeated."""
     pre: dict[str, Transferred] = {}
     if stage is not None:
         cands, pre = rerank(kernel, cands, stage, target, budget_s)
     picks: list[Pick] = []
-    programs: dict[str, Pick] = {}  # program hash -> the pick that measures it
+    programs: dict[str, Pick] = {  # program hash -> the pick that measures it
+        p.transferred.program_hash(): p for p in taken if p.transferred is not None}
+    skip = {i for p in taken if p.candidate is not None for i in (p.candidate.record.id, *p.same_program)}
+    skip |= {rid for rid, _ in rejected or ()}  # a transfer that failed fails again
     t0, tried = time.time(), 0
     for c in cands:
+        if c.record.id in skip:
+            continue
         if len(picks) >= k or (tried >= 2 and time.time() - t0 > budget_s):
             break
         row = known(c) if known is not None else None

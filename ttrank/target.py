@@ -173,23 +173,26 @@ def load_average() -> float | None:
         return None
 
 
-def cpu_busy_now(window_s: float = 0.3) -> float | None:
-    """How many cores' worth of work ran in the last ``window_s`` seconds (Linux /proc/stat),
-    or None where that cannot be read."""
-    def sample() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                ticks = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        return sum(ticks), ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # all, idle + iowait
+# psutil's system-wide CPU times that count as work (idle and iowait do not; steal is apart)
+BUSY_TIMES = ("user", "nice", "system", "irq", "softirq")
 
-    a = sample()
-    time.sleep(window_s)
-    b = sample()
-    if a is None or b is None or b[0] <= a[0]:
+
+def _cpu_seconds() -> tuple[float, float]:
+    """The machine's busy and stolen CPU seconds so far, summed over its logical CPUs."""
+    c = psutil.cpu_times()
+    return sum(getattr(c, k, 0.0) for k in BUSY_TIMES), getattr(c, "steal", 0.0)
+
+
+def cpu_busy_now(window_s: float = 0.3) -> float | None:
+    """How many cores' worth of work (anyone's, this process's too; other virtual machines'
+    steal included) ran over the next ``window_s`` seconds, or None where that cannot be read."""
+    try:
+        (busy0, steal0), t0 = _cpu_seconds(), time.monotonic()
+        time.sleep(window_s)
+        (busy1, steal1), wall = _cpu_seconds(), time.monotonic() - t0
+    except (psutil.Error, OSError, NotImplementedError):
         return None
-    return (os.cpu_count() or 1) * (1.0 - (b[1] - a[1]) / (b[0] - a[0]))
+    return max(0.0, busy1 - busy0 + steal1 - steal0) / wall if wall > 0 else None
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,6 @@ class ForeignLoad:
     time (psutil's system-wide times) less that of this process and its children (the runner's
     and builders' workers)."""
 
-    BUSY = ("user", "nice", "system", "irq", "softirq")
     # the counters tick at 10 ms: over a shorter stretch one tick of another process would read
     # as a tenth of a core or more, so such a stretch says nothing
     MIN_WINDOW_S = 0.2
@@ -232,18 +234,14 @@ class ForeignLoad:
                 total += c.user + c.system + c.children_user + c.children_system
         return total
 
-    def _system(self) -> tuple[float, float]:
-        c = psutil.cpu_times()
-        return sum(getattr(c, k, 0.0) for k in self.BUSY), getattr(c, "steal", 0.0)
-
     def start(self) -> None:
-        self._t0, (self._busy0, self._steal0), self._ours0 = time.monotonic(), self._system(), self._ours()
+        self._t0, (self._busy0, self._steal0), self._ours0 = time.monotonic(), _cpu_seconds(), self._ours()
 
     def stop(self) -> CpuShare | None:
         wall = time.monotonic() - self._t0
         if wall < self.MIN_WINDOW_S:
             return None
-        busy, steal = self._system()
+        busy, steal = _cpu_seconds()
         ours = self._ours() - self._ours0
         return CpuShare(max(0.0, busy - self._busy0 - ours) / wall, max(0.0, steal - self._steal0) / wall)
 
@@ -254,7 +252,7 @@ def machine_busy(threshold: float = 0.5) -> str | None:
     job that ended a minute ago (each collect of a network warned of its predecessor)."""
     cores = host_cores()
     busy = cpu_busy_now()
-    if busy is None:  # no /proc/stat: the load average is all there is
+    if busy is None:  # no CPU times to read: the load average is all there is
         load = load_average()
         if load is not None and load > threshold * cores:
             return f"the machine is busy (1-minute load {load:.1f} on {cores} cores)"
