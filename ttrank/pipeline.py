@@ -33,7 +33,7 @@ from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, po
                       shortlist)
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
-from .space import SPACE_NETWORK, space_candidates
+from .space import SMALL_SPACE_DRAWS, SPACE_NETWORK, small_space, space_candidates
 from .target import (ForeignLoad, cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance,
                      target_key)
 from .training import ranker_without
@@ -378,14 +378,18 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         more: dict[str, list[Pick]] = {}
         for k in ks:
             rep = reports[k.name]
-            if not ranked.get(k.name) or not picks[k.name] or not model_s:
+            if not picks[k.name] or not model_s:
                 continue
             share = k.weight * (best[k.name] or 0.0) / model_s
-            want = policy.k([c.score for c in ranked[k.name]], share)
-            if want > rep.k and (got := _next_picks(k, ranked[k.name], picks[k.name], rep, stage2, cached,
-                                                    target, build_s, want - rep.k)):
+            want = policy.k([c.score for c in ranked.get(k.name) or []] or [0.0] * SMALL_SPACE_DRAWS, share)
+            got = (_next_picks(k, ranked[k.name], picks[k.name], rep, stage2, cached, target, build_s, want - rep.k)
+                   if ranked.get(k.name) and want > rep.k else [])
+            if small_space(k) and share >= policy.minor_share:
+                got += _space_picks(k, [*picks[k.name], *got], want, rep, stage2, cached, target)
+            if got:
                 more[k.name] = got
-                rep.top_k, rep.k, rep.late_picks = max(rep.top_k, policy.bound(share)), want, len(got)
+                rep.top_k, rep.k, rep.late_picks = max(rep.top_k, policy.bound(share)), max(rep.k, want), len(got)
+                rep.beside += [p.candidate.record.id for p in got if p.beside]
                 shares[k.name] = share
         for name, got in more.items():
             picks[name] = [*(picks[name] or []), *got]
@@ -468,7 +472,8 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
         # MetaSchedule's design space stands in (parallel, vectorised): samples of it, ordered
         # by the second stage's cost model when there is one, are measured like a donor's
         # schedules and kept only if one beats the default
-        ranked = space_candidates(k, target, max(rep.top_k, stage2.shortlist if stage2 else 0))
+        ranked = space_candidates(k, target, SMALL_SPACE_DRAWS if small_space(k)
+                                  else max(rep.top_k, stage2.shortlist if stage2 else 0))
         if not ranked:
             return None, 0.0
     rep.k = policy.k([c.score for c in ranked], share)
@@ -481,8 +486,11 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
             if rep.top_k > 1 else [])
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
-    picks = shortlist(k, ranked, rep.k, target, stage2 if rep.top_k > 1 else None,
-                      _known(k, cached, rep), rep.rejections, [c for c in also if c is not None])
+    stage = stage2 if rep.top_k > 1 else None
+    if stage is not None and ranked[0].record.network == SPACE_NETWORK:  # every draw is scored
+        stage = dataclasses.replace(stage, shortlist=max(stage.shortlist, len(ranked)))
+    picks = shortlist(k, ranked, rep.k, target, stage, _known(k, cached, rep), rep.rejections,
+                      [c for c in also if c is not None])
     picks = [picks[0], *(p for p in picks[1:] if not _slow_build(p, build_s or {}, rep))] if picks else picks
     rep.beside = [p.candidate.record.id for p in picks if p.beside]
     return picks, share
@@ -504,6 +512,22 @@ def _next_picks(k: Kernel, ranked: list[Candidate], picks: list[Pick], rep: Kern
     fresh = shortlist(k, ranked, n, target, stage2 if rep.top_k > 1 else None,
                       _known(k, cached, rep), rep.rejections, taken=picks)
     return [p for p in fresh if not _slow_build(p, build_s or {}, rep)]
+
+
+def _space_picks(k: Kernel, taken: list[Pick], n: int, rep: KernelReport, stage2: SecondStage | None,
+                 cached: dict, target) -> list[Pick]:
+    """Draws of a small design space (:func:`small_space`) to measure beside ``k``'s donor
+    schedules: the second stage's top ``n`` of :data:`SMALL_SPACE_DRAWS` (the first ``n`` without
+    one), less the draws already among ``taken``."""
+    drawn = sum(1 for p in taken if p.candidate is not None and p.candidate.record.network == SPACE_NETWORK)
+    if n <= drawn:
+        return []
+    draws = space_candidates(k, target, SMALL_SPACE_DRAWS)
+    stage = dataclasses.replace(stage2, shortlist=len(draws)) if stage2 is not None else None
+    got = shortlist(k, draws, n - drawn, target, stage, _known(k, cached, rep), rep.rejections, taken=taken)
+    for p in got:
+        p.beside = True
+    return got
 
 
 def _slow_build(p: Pick, build_s: dict[str, float], rep: KernelReport) -> bool:

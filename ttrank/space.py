@@ -21,8 +21,21 @@ from .ranking import Candidate
 from .target import cpu_tensor_intrinsics
 
 SPACE_NETWORK = "design-space"
+# draws of a kernel whose design space is small (:func:`small_space`), ordered by the second
+# stage's cost model: on rocketlake the best of 12 ran 2-4.5x faster than the best transferred
+# donor schedule measured for EfficientNet-B0's squeeze-excite means and GoogLeNet's max pools
+# (the best draw was 7th or 12th drawn; the cost model put it in its top 3 for 3 of 4 kernels)
+SMALL_SPACE_DRAWS = 12
 
 log = logging.getLogger("ttrank")
+
+
+def small_space(kernel: Kernel) -> bool:
+    """Whether draws of ``kernel``'s design space find its fast region: a reduction over one
+    input (a pool, a mean, a softmax's sums) reuses no data, so MetaSchedule does not tile it
+    and its space is how to parallelise, vectorise and unroll it. A donor's schedule for another
+    shape of it (a ResNet's 7x7 global pool on a 56x56 mean) carries little over."""
+    return "R" in kernel.iter_kinds and len(kernel.input_shapes) == 1
 
 
 def space_candidates(kernel: Kernel, target, n: int = 3, seed: int = 0) -> list[Candidate]:
