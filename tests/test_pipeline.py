@@ -395,20 +395,26 @@ def test_a_kernel_whose_picks_lose_to_its_untuned_kernel_gets_a_second_look(trai
     assert any(k.measured for k in res.kernels) and not any(k.second_look for k in res.kernels)
 
 
-def test_a_kernel_that_weighs_more_in_the_tuned_model_gets_more_candidates(trained, donor_dir, tiny_cnn, tmp_path,
-                                                                         monkeypatch):
-    """How many candidates a kernel gets follows its share of the untuned model, where the convs'
-    default code is far slower than tuned. Once the convs are measured, a kernel whose share of
-    the model as tuned so far clears ``minor_share`` gets the k that share gives it."""
+@pytest.fixture
+def convs_untuned_very_slow(monkeypatch):
+    """The untuned convs made 10,000x slower: as a real model's default conv code is, against
+    its tuned code, next to the other kernels (tiny_cnn's convs are small)."""
     measure_untuned = pipeline._measure_untuned
 
-    def convs_untuned_very_slow(network, kernels, measurer, cached, table, reports, stamp):
+    def slow(network, kernels, measurer, cached, table, reports, stamp):
         measure_untuned(network, kernels, measurer, cached, table, reports, stamp)
         for k in kernels:
             if k.anchor_op.startswith("conv"):
                 reports[k.name].untuned_s *= 1e4
 
-    monkeypatch.setattr(pipeline, "_measure_untuned", convs_untuned_very_slow)
+    monkeypatch.setattr(pipeline, "_measure_untuned", slow)
+
+
+def test_a_kernel_that_weighs_more_in_the_tuned_model_gets_more_candidates(trained, donor_dir, tiny_cnn, tmp_path,
+                                                                         convs_untuned_very_slow):
+    """How many candidates a kernel gets follows its share of the untuned model, where the convs'
+    default code is far slower than tuned. Once the convs are measured, a kernel whose share of
+    the model as tuned so far clears ``minor_share`` gets the k that share gives it."""
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=3, adaptive=False, minor_share=0.01,
                            data_dir=tmp_path / "data", database_dir=tmp_path / "db",
@@ -425,19 +431,10 @@ def test_a_kernel_that_weighs_more_in_the_tuned_model_gets_more_candidates(train
 
 
 def test_a_pool_gets_more_draws_of_its_small_design_space_once_it_matters(trained, donor_dir, tiny_cnn, tmp_path,
-                                                                          monkeypatch):
+                                                                          convs_untuned_very_slow):
     """A pool or a mean reuses no data: its design space (parallelise, vectorise, unroll) is
     small, and draws of it find its fast region where donors' schedules for other shapes do not.
     One that the untuned model makes minor gets more draws once the tuned model shows it matters."""
-    measure_untuned = pipeline._measure_untuned
-
-    def convs_untuned_very_slow(network, kernels, measurer, cached, table, reports, stamp):
-        measure_untuned(network, kernels, measurer, cached, table, reports, stamp)
-        for k in kernels:
-            if k.anchor_op.startswith("conv"):
-                reports[k.name].untuned_s *= 1e4
-
-    monkeypatch.setattr(pipeline, "_measure_untuned", convs_untuned_very_slow)
     model = frontend.load(tiny_cnn)
     kernels = {k.name: k for k in extract(model.mod, make_target())}
     assert small_space(kernels["max_pool2d"]) and small_space(kernels["mean"])
