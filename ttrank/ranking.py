@@ -187,8 +187,8 @@ def shortlist(kernel: Kernel, cands: list[Candidate], k: int, target, stage: Sec
     noted on that pick (``same_program``) and the next one is taken: one program, one build and
     one measurement. ``known(candidate)`` returns the measurement row of a candidate measured
     before (it counts, and is not transferred again); ``rejected`` collects (record id, reason)
-    of failed transfers (and those in it are not tried again). ``also``: candidates measured besides the ``k`` when they miss them
-    (:func:`native_candidate`). Transfers stop once ``budget_s`` is spent (after two), as in
+    of failed transfers (and those in it are not tried again). ``also``: candidates measured
+    besides the ``k`` when they miss them (:func:`native_candidate`). Transfers stop once ``budget_s`` is spent (after two), as in
     :func:`rerank`: where each costs seconds, failing or repeating a program, going down a long
     list cost minutes. ``taken``: picks made before (a first shortlist's); the next ``k`` after
     them are returned, their candidates not transferred again and their programs not repeated."""
