@@ -325,6 +325,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     picks: dict[str, list[Pick] | None] = {}
     shares: dict[str, float] = {}
     leads = _sibling_leads(kernels, reports, ranked)
+    drawn: dict[tuple[str, int], list[Candidate]] = {}  # design-space draws, drawn once per run
     first = [k for k in kernels if k.name not in leads]
     postprocessors(target)  # initialised once, before the threads share them
 
@@ -333,7 +334,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         # kernels' shortlists are independent, so one thread per core transfers them
         with ThreadPoolExecutor(host_cores(), thread_name_prefix="ttrank-transfer") as ex:
             made = ex.map(lambda k: _shortlist(k, ranked[k.name], reports[k.name], reports, policy,
-                                               stage2, cached, target, build_s), ks)
+                                               stage2, cached, target, build_s, drawn), ks)
             for k, (picks[k.name], shares[k.name]) in zip(ks, made):
                 progress("transferring", len(picks), len(kernels), k.name)
 
@@ -356,6 +357,9 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         counts["measured"] += todo - left
         counts["left"] += left
 
+    def spent() -> bool:
+        return budget_s is not None and time.time() - t0 > budget_s
+
     def tuned_so_far() -> dict[str, float | None]:
         # each kernel's fastest known; a sibling not measured yet, its lead's (the same conv)
         best = _best_so_far(kernels, picks, fresh, reports)
@@ -371,7 +375,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         # of its untuned model and measured their top-1 only; the largest is 1.4% of the tuned model
         # (rocketlake). Adapted, leave-one-out, back to back: EfficientNet-B0 0.960 -> 0.887x
         # onnxruntime, -B4 1.043 -> 0.979, MnasNet 1.198 -> 1.101
-        if budget_s is not None and time.time() - t0 > budget_s:
+        if spent():
             return
         t = time.time()
         best = tuned_so_far()
@@ -386,7 +390,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
             got = (_next_picks(k, ranked[k.name], picks[k.name] or [], rep, stage2, cached, target, build_s,
                                want - rep.k) if ranked.get(k.name) and picks[k.name] and want > rep.k else [])
             if small_space(k) and share >= policy.minor_share:
-                got += _space_picks(k, [*(picks[k.name] or []), *got], want, rep, stage2, cached, target)
+                got += _space_picks(k, [*(picks[k.name] or []), *got], want, rep, stage2, cached, target, drawn)
             if got:
                 more[k.name] = got
                 rep.top_k, rep.k, rep.late_picks = max(rep.top_k, policy.bound(share)), max(rep.k, want), len(got)
@@ -402,7 +406,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         # the next candidates of the kernels whose picks all missed, within the same budget; only
         # where the untuned kernel is worth minor_share of the model as tuned so far (a pooling
         # kernel of microseconds that its picks did not beat gains nothing to speak of)
-        if budget_s is not None and time.time() - t0 > budget_s:  # the budget is spent: no batch more
+        if spent():  # no batch more
             return
         t = time.time()
         model_s = sum(reports[n].weight * (s or 0.0) for n, s in tuned_so_far().items())
@@ -461,7 +465,8 @@ def _measure_untuned(network: str, kernels: list[Kernel], measurer: Measurer, ca
 
 def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: dict[str, KernelReport],
                policy: FixedK, stage2: SecondStage | None, cached: dict, target,
-               build_s: dict[str, float] | None = None) -> tuple[list[Pick] | None, float]:
+               build_s: dict[str, float] | None = None,
+               drawn: dict[tuple[str, int], list[Candidate]] | None = None) -> tuple[list[Pick] | None, float]:
     """The kernel's candidates to measure (as many as ``policy`` gives it for the ranker's
     scores and its share of the untuned model), and that share; None when it has no candidate.
     A pick after the first whose record is known to compile slowly (``build_s``, by trace hash)
@@ -473,8 +478,8 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
         # MetaSchedule's design space stands in (parallel, vectorised): samples of it, ordered
         # by the second stage's cost model when there is one, are measured like a donor's
         # schedules and kept only if one beats the default
-        ranked = space_candidates(k, target, SMALL_SPACE_DRAWS if small_space(k)
-                                  else max(rep.top_k, stage2.shortlist if stage2 else 0))
+        ranked = _draws(k, target, SMALL_SPACE_DRAWS if small_space(k)
+                        else max(rep.top_k, stage2.shortlist if stage2 else 0), drawn)
         if not ranked:
             return None, 0.0
     rep.k = policy.k([c.score for c in ranked], share)
@@ -488,8 +493,8 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may
     # change); only minor kernels skip it
     stage = stage2 if rep.top_k > 1 else None
-    if stage is not None and ranked[0].record.network == SPACE_NETWORK:  # every draw is scored
-        stage = dataclasses.replace(stage, shortlist=max(stage.shortlist, len(ranked)))
+    if ranked[0].record.network == SPACE_NETWORK:
+        stage = _scoring_every_draw(stage, ranked)
     picks = shortlist(k, ranked, rep.k, target, stage, _known(k, cached, rep), rep.rejections,
                       [c for c in also if c is not None])
     picks = [picks[0], *(p for p in picks[1:] if not _slow_build(p, build_s or {}, rep))] if picks else picks
@@ -515,17 +520,33 @@ def _next_picks(k: Kernel, ranked: list[Candidate], picks: list[Pick], rep: Kern
     return [p for p in fresh if not _slow_build(p, build_s or {}, rep)]
 
 
+def _draws(k: Kernel, target, n: int, drawn: dict[tuple[str, int], list[Candidate]] | None) -> list[Candidate]:
+    """``n`` design-space draws of ``k``, drawn once per run (``drawn``): a second shortlist of
+    them finds their cost scores (:attr:`Candidate.cost_scored`) and transfers none again."""
+    if drawn is None:
+        return space_candidates(k, target, n)
+    if (k.name, n) not in drawn:
+        drawn[(k.name, n)] = space_candidates(k, target, n)
+    return drawn[(k.name, n)]
+
+
+def _scoring_every_draw(stage: SecondStage | None, draws: list[Candidate]) -> SecondStage | None:
+    """``stage`` with a shortlist that holds every draw: draws carry no ranker score, so only the
+    cost model orders them."""
+    return dataclasses.replace(stage, shortlist=max(stage.shortlist, len(draws))) if stage is not None else None
+
+
 def _space_picks(k: Kernel, taken: list[Pick], n: int, rep: KernelReport, stage2: SecondStage | None,
-                 cached: dict, target) -> list[Pick]:
+                 cached: dict, target, drawn: dict[tuple[str, int], list[Candidate]] | None = None) -> list[Pick]:
     """Draws of a small design space (:func:`small_space`) to measure beside ``k``'s donor
     schedules: the second stage's top ``n`` of :data:`SMALL_SPACE_DRAWS` (the first ``n`` without
     one), less the draws already among ``taken``."""
-    drawn = sum(1 for p in taken if p.candidate is not None and p.candidate.record.network == SPACE_NETWORK)
-    if n <= drawn:
+    taken_draws = sum(1 for p in taken if p.candidate is not None and p.candidate.record.network == SPACE_NETWORK)
+    if n <= taken_draws:
         return []
-    draws = space_candidates(k, target, SMALL_SPACE_DRAWS)
-    stage = dataclasses.replace(stage2, shortlist=len(draws)) if stage2 is not None else None
-    got = shortlist(k, draws, n - drawn, target, stage, _known(k, cached, rep), rep.rejections, taken=taken)
+    draws = _draws(k, target, SMALL_SPACE_DRAWS, drawn)
+    got = shortlist(k, draws, n - taken_draws, target, _scoring_every_draw(stage2, draws), _known(k, cached, rep),
+                    rep.rejections, taken=taken)
     for p in got:
         p.beside = True
     return got
