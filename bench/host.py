@@ -1,8 +1,8 @@
 """Native speed on this CPU (issue #19): ttrank against onnxruntime on the zoo's CNNs, with the
 shipped data only and after `ttrank adapt`, in one resumable run.
 
-    python bench/host.py [--adapt-minutes 60] [--adapt-seeds N] [--networks NET ...] [--budget-minutes M] [--force]
-                         [--layout nchwc|auto]
+    python bench/host.py [--adapt-minutes 60] [--adapt-seeds N] [--adapt-plan P] [--adapt-trials T]
+                         [--networks NET ...] [--budget-minutes M] [--force] [--layout nchwc|auto]
 
 1. **shipped**: `ttrank recommend zoo:NET --leave-one-out` per network, with a user cache that
    holds nothing of this machine (no native donors, no adapted ranker): what a new user gets.
@@ -30,7 +30,8 @@ an earlier run is still a CPU the data has never seen. What was left out is in `
 ``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
 ``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
 ``adapted@L`` and ``adaptation@L``, with caches of their own. ``--label X`` keeps a rerun after
-the shipped data changed (new donors) beside the earlier one, as ``shipped@L+X`` and so on.
+the shipped data changed (new donors), or an A/B of adapt's settings (``--adapt-*``), beside the
+earlier one, as ``shipped@L+X`` and so on.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def main() -> int:
     ap.add_argument("--networks", nargs="+", default=CNNS)
     ap.add_argument("--adapt-minutes", type=float, default=60.0)
     ap.add_argument("--adapt-seeds", type=int, default=None, help="adapt's --seeds (default: its own)")
+    ap.add_argument("--adapt-plan", default=None, help="adapt's --plan (default: its own)")
+    ap.add_argument("--adapt-trials", type=int, default=None, help="adapt's --trials (default: its own)")
     ap.add_argument("--budget-minutes", type=float, default=None, help="start no step after this")
     ap.add_argument("--force", action="store_true", help="redo this CPU's steps")
     ap.add_argument("--shipped-only", action="store_true", help="stop after the shipped phase")
@@ -214,17 +217,20 @@ def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, de
             return 0
         with user_cache(adapted_cache):
             t0 = time.time()
-            cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes),
-                   "--layout", "nchw" if args.layout == "nchw" else "nchwc"]
-            if args.adapt_seeds is not None:  # an A/B of seeded native tuning: give each its --label
-                cmd += ["--seeds", str(args.adapt_seeds)]
+            layout = "nchw" if args.layout == "nchw" else "nchwc"
+            cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes), "--layout", layout]
+            # an A/B of adapt's settings: give each arm its --label
+            for flag, value in (("--seeds", args.adapt_seeds), ("--plan", args.adapt_plan),
+                                ("--trials", args.adapt_trials)):
+                if value is not None:
+                    cmd += [flag, str(value)]
             proc = subprocess.run(cmd, text=True, capture_output=True)
             print(proc.stdout[-3000:])
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
             res[f"{adaptation}_seconds"] = round(time.time() - t0, 1)
-            res[adaptation] = adapted(make_target(), cmd[-1])
+            res[adaptation] = adapted(make_target(), layout)
         res[f"{adaptation}_command"] = " ".join(cmd)
         save()
     if not run_phase(adapted_phase, adapted_cache):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ttrank import adapt, donors, locations
+from ttrank.kernels import Kernel
 from ttrank.ranker import Ranker
 
 
@@ -60,6 +61,54 @@ def test_the_tuning_budget_goes_where_it_buys_the_most_share_per_second():
     assert adapt.tuning_batch(todo, 1.0, 64) == [("bert", ["mm1"])]
 
 
+def _conv(name: str, data: list[int], weight: list[int], out: list[int], anchor: str = "conv2d_NCHWc"):
+    return Kernel(name, anchor, anchor, "SSSSSRRRR", [], [], {}, [data, weight], out, "float32", 1e8)
+
+
+def test_a_transfer_family_is_the_op_its_window_stride_and_output_size():
+    # ResNet-18's 3x3 convs at 56x56 and its strided one into 28x28, packed (NCHW16c, OIHW16i16o)
+    c56 = _conv("c56", [1, 4, 56, 56, 16], [4, 4, 3, 3, 16, 16], [1, 4, 56, 56, 16])
+    c56b = _conv("c56b", [1, 8, 56, 56, 16], [8, 8, 3, 3, 16, 16], [1, 8, 56, 56, 16])
+    s2 = _conv("s2", [1, 4, 56, 56, 16], [8, 4, 3, 3, 16, 16], [1, 8, 28, 28, 16])
+    p1 = _conv("p1", [1, 4, 56, 56, 16], [4, 4, 1, 1, 16, 16], [1, 4, 56, 56, 16])
+    c7 = _conv("c7", [1, 32, 7, 7, 16], [32, 32, 3, 3, 16, 16], [1, 32, 7, 7, 16])
+    nhwc = _conv("nhwc", [1, 56, 56, 64], [3, 3, 64, 64], [1, 56, 56, 64], anchor="conv2d_nhwc")
+    fam = adapt.transfer_family
+    assert fam(c56) == fam(c56b)  # channels apart, one family
+    assert len({fam(c56), fam(s2), fam(p1), fam(c7)}) == 4
+    assert fam(c56).endswith("3x3 s1 large") and fam(s2).endswith("3x3 s2 mid")
+    assert fam(nhwc).endswith("3x3 s1 large")
+    dense = Kernel("mm", "matmul", "matmul", "SSR", [], [], {}, [[1, 768], [768, 768]], [1, 768], "float32", 1e6)
+    assert fam(dense) == "matmul SSR"
+
+
+def test_the_family_plan_tunes_one_kernel_of_each_family_before_any_seconds():
+    """Deep searches are few: the first go to one kernel of each family, whose schedule then
+    transfers to the rest of it, the families with the most share per tuning second first."""
+    def k(net: str, task: str, share: float, family: str) -> adapt.PlannedKernel:
+        return adapt.PlannedKernel(f"{net}/{task}", net, task, "conv2d", share, [net], 0.001, family)
+
+    todo = [k("resnet18", "a", 0.30, "3x3"), k("resnet50", "b", 0.25, "3x3"), k("vgg16", "c", 0.20, "3x3"),
+            k("mobilenetv2", "d", 0.15, "1x1"), k("mnasnet1_0", "e", 0.05, "dw"), k("yolo", "f", 0.04, "1x1")]
+    one = 256 * adapt.trial_seconds(0.001)
+    assert adapt.tuning_batch(todo, 3 * one, 256, "families") == [
+        ("resnet18", ["a"]), ("mobilenetv2", ["d"]), ("mnasnet1_0", ["e"])]
+    # each family's second only after every family's first; by share, the kernels plan would not
+    assert adapt.tuning_batch(todo, 4 * one, 256, "families")[-1] == ("resnet50", ["b"])
+    assert adapt.tuning_batch(todo, 3 * one, 256) == [("resnet18", ["a"]), ("resnet50", ["b"]), ("vgg16", ["c"])]
+
+
+def test_the_report_says_how_often_native_search_beat_transfer():
+    rep = adapt.AdaptReport("znver5", 3600.0, tuned=[
+        {"task": "a", "native_s": 1.0e-3, "transferred_s": 2.0e-3},
+        {"task": "b", "native_s": 2.0e-3, "transferred_s": 1.0e-3},
+        {"task": "c", "native_s": 1.0e-3, "transferred_s": 4.0e-3},
+        {"task": "d", "native_s": 1.0e-3, "transferred_s": None}])  # nothing transferred measured
+    won, compared, ratio = rep.native_vs_transferred()
+    assert (won, compared) == (2, 3) and ratio == pytest.approx((0.5 * 2.0 * 0.25) ** (1 / 3))
+    assert adapt.AdaptReport("znver5", 60.0).native_vs_transferred() is None
+
+
 def test_kernels_a_shipped_set_of_this_cpu_tuned_are_not_tuned_again(tmp_path, monkeypatch):
     """An earlier adaptation published as ``NET@LAYOUT-tN-MCPU`` in datasets/donors counts as
     this CPU's native tuning; another CPU's set or layout does not."""
@@ -106,6 +155,10 @@ def test_adapt_tunes_natively_measures_and_retrains(donor_dir, measurements, tar
     rep = adapt.adapt(target, 240, **kw)
     assert rep.planned >= 1 and rep.tuned_kernels == rep.planned and rep.collected > 0
     assert rep.seeds_measured > 0  # each search started from the ranker's picks, measured here
+    # what each search bought, against the fastest transferred schedule measured here for it
+    assert rep.tuned and all(t["native_s"] for t in rep.tuned) and any(t["transferred_s"] for t in rep.tuned)
+    won, compared, ratio = rep.native_vs_transferred()
+    assert 0 <= won <= compared <= len(rep.tuned) and ratio > 0
     native = donors.native_dir("tiny_cnn", rep.mcpu)
     assert donors.DonorStore.load([native]).networks == ["tiny_cnn"]
     # from now on the ranker that knows this CPU is the default one

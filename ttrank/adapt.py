@@ -18,19 +18,31 @@ where it buys the most on a CPU the shipped data has not seen.
 
 A kernel's time share comes from its own network's donor run where the store has it (tuned
 latency x count), else from its FLOPs at the network's measured rate.
+
+Two plans spend the tuning time (``plan_by``):
+
+- ``kernels`` (the default): the most share per tuning second first, each kernel for itself;
+- ``families``: one kernel per transfer family (:func:`transfer_family`: the same anchor op,
+  window, stride and output size) before any family's second, the families with the most summed
+  share per tuning second first. It is meant for deep searches: a schedule tuned deep on this CPU
+  transfers to its family's other kernels (rocketlake: MnasNet's depthwise 3x3 convs went from
+  1.37x onnxruntime's time to 0.87x with other networks' 256-trial depthwise donors of that CPU),
+  and over the shipped curves 256 trials ran a kernel in 0.70x (convs) and 0.59x (depthwise) of
+  its best after 64, where 128 bought 0.89x and 0.92x.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import locations, zoo
-from .collect import best_measured, collect
+from .collect import best_measured, collect, fastest_transferred
 from .donors import DonorStore, native_dir, native_sets
 from .errors import TTRankError
 from .kernels import Kernel, extract, model_kernels
@@ -57,6 +69,24 @@ DEFAULT_NETWORKS = ["resnet50", "resnet18", "mobilenetv2", "efficientnetb0", "yo
 TRIALS = 64
 # transferred schedules measured per kernel to seed its native search
 SEEDS = 4
+PLANS = ("kernels", "families")
+
+
+def transfer_family(k: Kernel) -> str:
+    """The kernels a schedule of ``k`` tuned on this CPU transfers to best: the same anchor op and
+    loop nest, and for a convolution the same window and stride, and output rows in the same
+    size class (56 and more, 14 to 55, under 14), as tiles that suit 112x112 do not suit 7x7."""
+    base = f"{k.anchor_op} {k.iter_kinds}"
+    if "conv" not in k.anchor_op or len(k.input_shapes) < 2 or len(k.output_shape) < 4:
+        return base
+    nhwc = "nhwc" in k.anchor_op.lower()
+    h_axis, win = (1, slice(0, 2)) if nhwc else (2, slice(2, 4))  # NHWC/HWIO; NCHW[c]/OIHW[io]
+    data, weight, out = k.input_shapes[0], k.input_shapes[1], k.output_shape
+    kh, kw = weight[win]
+    rows = out[h_axis]
+    stride = round(data[h_axis] / rows) if rows else 0
+    size = "large" if rows >= 56 else "mid" if rows >= 14 else "small"
+    return f"{base} {kh}x{kw} s{stride} {size}"
 
 
 @dataclass
@@ -70,6 +100,7 @@ class PlannedKernel:
     share: float  # summed over networks, each network's kernels summing to 1
     networks: list[str] = field(default_factory=list)
     seconds: float = 0.0  # one call's estimated time (its donor run's best, else by FLOPs)
+    family: str = ""  # its transfer family (:func:`transfer_family`)
 
     def gain_per_second(self, trials: int = TRIALS) -> float:
         """Its share per second of tuning it: what the budget buys by tuning this kernel,
@@ -116,7 +147,8 @@ def plan(networks: list[str], target, store: DonorStore,
         for k in ks:
             s = shares[k.workload_hash]
             p = out.setdefault(k.workload_hash, PlannedKernel(k.workload_hash, net, k.name,
-                                                              k.workload_class, 0.0))
+                                                              k.workload_class, 0.0,
+                                                              family=transfer_family(k)))
             p.share += s
             if net not in p.networks:
                 p.networks.append(net)
@@ -139,14 +171,33 @@ def trial_seconds(kernel_s: float) -> float:
     return TRIAL_BUILD_S + TRIAL_RUN_PER_KERNEL_S * kernel_s
 
 
-def tuning_batch(todo: list[PlannedKernel], budget_s: float, trials: int) -> list[tuple[str, list[str]]]:
-    """The kernels of ``todo`` that ``budget_s`` can tune, the most share per tuning second
-    first (at least one), as (network, its tasks) in the order of each network's first kernel:
-    the budget goes where it buys the most across the zoo, not to every kernel of the first
-    networks, nor to a few slow convs a cheap matmul's worth of share could have bought."""
+def by_family(todo: list[PlannedKernel], trials: int) -> list[PlannedKernel]:
+    """``todo`` in rounds: every family's kernel with the most share per tuning second, then every
+    family's second, ...; in a round, the families whose summed share buys the most per second of
+    tuning that kernel first."""
+    members: dict[str, list[PlannedKernel]] = {}
+    for p in todo:
+        members.setdefault(p.family, []).append(p)
+    ranked = []
+    for ps in members.values():
+        share = sum(p.share for p in ps)
+        ps.sort(key=lambda p: -p.gain_per_second(trials))
+        ranked += [(j, -share / (trials * trial_seconds(p.seconds)), p) for j, p in enumerate(ps)]
+    return [p for _, _, p in sorted(ranked, key=lambda t: t[:2])]
+
+
+def tuning_batch(todo: list[PlannedKernel], budget_s: float, trials: int,
+                 plan_by: str = "kernels") -> list[tuple[str, list[str]]]:
+    """The kernels of ``todo`` that ``budget_s`` can tune, in ``plan_by``'s order (the most share
+    per tuning second first, or :func:`by_family`; at least one), as (network, its tasks) in the
+    order of each network's first kernel: the budget goes where it buys the most across the zoo,
+    not to every kernel of the first networks, nor to a few slow convs a cheap matmul's worth of
+    share could have bought."""
     out: dict[str, list[str]] = {}
     spent = 0.0
-    for p in sorted(todo, key=lambda p: -p.gain_per_second(trials)):
+    order = by_family(todo, trials) if plan_by == "families" else sorted(
+        todo, key=lambda p: -p.gain_per_second(trials))
+    for p in order:
         cost = trials * trial_seconds(p.seconds)
         if out and spent + cost > budget_s:
             continue  # a cheaper kernel further down may still fit
@@ -180,9 +231,22 @@ class AdaptReport:
     complete: bool = False
     networks_tuned: list[str] = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
+    # per kernel tuned: network, task, family, trials, native_s (the search's best) and
+    # transferred_s (the fastest donor schedule measured here for it): what the tuning bought
+    tuned: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def native_vs_transferred(self) -> tuple[int, int, float] | None:
+        """(kernels whose native best beat the fastest transferred schedule measured here, kernels
+        with both, the geometric mean of native / transferred), or None with none to compare."""
+        pairs = [(t["native_s"], t["transferred_s"]) for t in self.tuned
+                 if t.get("native_s") and t.get("transferred_s")]
+        if not pairs:
+            return None
+        ratio = math.exp(sum(math.log(n / t) for n, t in pairs) / len(pairs))
+        return sum(n < t for n, t in pairs), len(pairs), ratio
 
 
 def adapt(target, budget_s: float, networks: list[str] | None = None, trials: int = TRIALS,
@@ -190,7 +254,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
           min_share: float = 0.01, retrain: bool = True, donor_dirs: list[Path] | None = None,
           measurement_dirs: list[Path] | None = None,
           on_note: Callable[[str], None] | None = None, layout: str = "nchwc",
-          seeds: int = SEEDS) -> AdaptReport:
+          seeds: int = SEEDS, plan_by: str = "kernels") -> AdaptReport:
     """Spend ``budget_s`` on this CPU: native tuning (``tune_share`` of it), cross-measurements
     (the rest, less ``train_reserve`` kept for retraining: the refit took 6-9 s in each of five
     host runs, and a reserve of 10% left 5 of the 60 minutes unused), then retrain the ranker.
@@ -202,6 +266,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     always go to the user's tables. ``layout``: the zoo networks' conv layout, for tuning and
     measuring (nchwc, the default: packed convs, as `recommend --layout auto` packs a CNN).
     ``seeds``: transferred schedules measured per kernel to seed its search (0: unseeded).
+    ``plan_by``: which kernels the tuning time goes to first (:data:`PLANS`; module docstring).
     """
     note = on_note or (lambda line: None)
     t0 = time.time()
@@ -209,6 +274,8 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
     networks = networks or DEFAULT_NETWORKS
     for n in networks:
         zoo.get(n)  # an unknown name is one clear error before any work
+    if plan_by not in PLANS:
+        raise TTRankError(f"unknown plan {plan_by!r}: one of {', '.join(PLANS)}")
     mcpu = str(target.attrs.get("mcpu") or host_mcpu())
     rep = AdaptReport(mcpu, budget_s, provenance=provenance(target))
 
@@ -223,6 +290,8 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         store = DonorStore.load(donor_dirs)
         previous = adapted(target, layout) or {}
         asked = {"networks": list(networks), "min_share": min_share, "layout": layout}
+        if plan_by != "kernels":  # its kernels carry their families (a plan kept before they did has none)
+            asked["plan_by"] = plan_by
         if previous.get("plan_for") == asked and previous.get("plan"):
             # a rerun continues the same plan: extracting 15 networks' kernels again costs minutes
             todo = [PlannedKernel(**p) for p in previous["plan"]]
@@ -236,7 +305,9 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         rep.planned = len(todo)
         note(f"{len(todo)} kernels carry at least {min_share:.0%} of a zoo network's time on "
              f"{len(networks)} networks; tuning natively ({trials} trials each) those that buy "
-             "the most share per tuning second")
+             "the most share per tuning second" + (
+                 f", one of each of their {len({p.family for p in todo})} transfer families first"
+                 if plan_by == "families" else ""))
 
         # 1. native tuning: the most share per tuning second first, as many as the time left reaches, grouped
         # by network (one tune per network and batch); then the next batch
@@ -248,7 +319,7 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
         ranker = Ranker.load()
         try:
             while left_plan and (left := tune_end - time.time()) >= 30:
-                batch = tuning_batch(left_plan, left, trials)
+                batch = tuning_batch(left_plan, left, trials, plan_by)
                 for net, tasks in batch:
                     left = tune_end - time.time()
                     if left < 30:
@@ -266,6 +337,12 @@ def adapt(target, budget_s: float, networks: list[str] | None = None, trials: in
                                layout=layout, seeds=found)
                     done = sum(tp.done for tp in run.tasks)
                     rep.tuned_trials += done
+                    by_task = {p.task: p for p in planned}
+                    transferred = fastest_transferred(net, {p.workload_hash for p in planned}, out, target)
+                    rep.tuned += [{"network": net, "task": tp.name, "family": by_task[tp.name].family,
+                                   "trials": tp.done, "native_s": tp.best_s,
+                                   "transferred_s": transferred.get(by_task[tp.name].workload_hash)}
+                                  for tp in run.tasks if tp.name in by_task]
                     if net not in rep.networks_tuned:
                         rep.networks_tuned.append(net)
                     note(f"{net}: {len(tasks)} kernels, {done} trials on this CPU "

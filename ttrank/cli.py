@@ -585,7 +585,12 @@ def cmd_adapt(args) -> int:
         con.print(f"[yellow]warning: {busy}; tuning and measurements taken now will be noisy[/yellow]")
     rep = adapt.adapt(target, 60 * args.budget_minutes, networks=args.networks, trials=args.trials,
                       tune_share=args.tune_share, max_per_kernel=args.max_per_kernel,
-                      retrain=not args.no_train, on_note=con.print, layout=args.layout, seeds=args.seeds)
+                      retrain=not args.no_train, on_note=con.print, layout=args.layout, seeds=args.seeds,
+                      plan_by=args.plan)
+    if (vs := rep.native_vs_transferred()):
+        won, n, ratio = vs
+        con.print(f"native search beat the fastest transferred schedule measured here on {won} of {n} "
+                  f"kernels (native / transferred, geometric mean: {ratio:.2f})")
     state = "complete" if rep.complete else "partial (rerun to continue)"
     con.print(f"adapted to {rep.mcpu} in {rep.seconds:.0f} s: {rep.tuned_kernels}/{rep.planned} kernels "
               f"tuned natively ({rep.tuned_trials} trials, {rep.tune_seconds:.0f} s), {rep.collected} "
@@ -773,6 +778,10 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--max-per-kernel", type=int, default=6, help="candidates measured per kernel")
     ad.add_argument("--seeds", type=int, default=adapt.SEEDS,
                     help="transferred schedules measured per tuned kernel to start its search from (0: none)")
+    ad.add_argument("--plan", choices=adapt.PLANS, default="kernels",
+                    help="which kernels get the tuning time first: the most share per tuning second "
+                         "(kernels), or one of each transfer family (same op, window, stride and "
+                         "output size) before any family's second (families, for deep --trials)")
     ad.add_argument("--no-train", action="store_true", help="do not retrain the ranker")
     ad.add_argument("--layout", choices=list(LAYOUTS), default="nchwc",
                     help="tune and measure the networks with their convs in this layout (nchwc, the "

@@ -36,6 +36,7 @@ from .ranking import rank_kernel
 from .target import CPU_KEYS, cpu_description, provenance
 from .transfer import Transferred, transfer
 from .util import STOP_REQUESTED, append_jsonl, read_jsonl, stop_at_safe_points
+from .workdir import NATIVE_PREFIX
 
 log = logging.getLogger("ttrank")
 
@@ -253,6 +254,20 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
             if on_progress:
                 on_progress(stats, i)
     return stats
+
+
+def fastest_transferred(network: str, hashes: set[str], out_dir: str | Path, target) -> dict[str, float]:
+    """Each kernel's (workload hash) fastest donor schedule measured on this CPU, in seconds:
+    rows of ``network``'s table in ``out_dir`` with this machine's provenance, other than its
+    untuned code and this CPU's own native records (what the native search is measured against)."""
+    prov = compact_provenance(provenance(target))
+    out: dict[str, float] = {}
+    for r in load_rows(Path(out_dir) / f"{network}.jsonl"):
+        rec = str(r.get("record", ""))
+        if (r.get("status") == "ok" and r.get("workload") in hashes and rec != UNTUNED
+                and not rec.startswith(NATIVE_PREFIX) and same_cpu(r, prov)):
+            out[r["workload"]] = min(out.get(r["workload"], math.inf), float(r["latency_s"]))
+    return out
 
 
 def best_measured(network: str, kernels: list[Kernel], store: DonorStore, out_dir: str | Path, target,
