@@ -256,18 +256,26 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     return stats
 
 
+def _fastest_per_record(network: str, hashes: set[str], out_dir: str | Path, target,
+                        keep: Callable[[dict], bool]) -> dict[str, dict[str, float]]:
+    """Rows of ``network``'s table in ``out_dir`` measured on this machine, of the kernels
+    ``hashes``, that ``keep`` keeps: workload hash -> {record: its fastest latency_s}."""
+    prov = compact_provenance(provenance(target))
+    out: dict[str, dict[str, float]] = {}
+    for r in load_rows(Path(out_dir) / f"{network}.jsonl"):
+        if r.get("status") == "ok" and r.get("workload") in hashes and same_cpu(r, prov) and keep(r):
+            best = out.setdefault(r["workload"], {})
+            best[r["record"]] = min(best.get(r["record"], math.inf), float(r["latency_s"]))
+    return out
+
+
 def fastest_transferred(network: str, hashes: set[str], out_dir: str | Path, target) -> dict[str, float]:
     """Each kernel's (workload hash) fastest donor schedule measured on this CPU, in seconds:
-    rows of ``network``'s table in ``out_dir`` with this machine's provenance, other than its
-    untuned code and this CPU's own native records (what the native search is measured against)."""
-    prov = compact_provenance(provenance(target))
-    out: dict[str, float] = {}
-    for r in load_rows(Path(out_dir) / f"{network}.jsonl"):
-        rec = str(r.get("record", ""))
-        if (r.get("status") == "ok" and r.get("workload") in hashes and rec != UNTUNED
-                and not rec.startswith(NATIVE_PREFIX) and same_cpu(r, prov)):
-            out[r["workload"]] = min(out.get(r["workload"], math.inf), float(r["latency_s"]))
-    return out
+    rows of ``network``'s table in ``out_dir``, other than its untuned code and this CPU's own
+    native records (what the native search is measured against)."""
+    rows = _fastest_per_record(network, hashes, out_dir, target, lambda r: r["record"] != UNTUNED
+                               and not str(r["record"]).startswith(NATIVE_PREFIX))
+    return {h: min(best.values()) for h, best in rows.items()}
 
 
 def best_measured(network: str, kernels: list[Kernel], store: DonorStore, out_dir: str | Path, target,
@@ -276,21 +284,14 @@ def best_measured(network: str, kernels: list[Kernel], store: DonorStore, out_di
     """Each kernel's ``n`` fastest donor schedules measured on this CPU (rows of ``network``'s
     table in ``out_dir`` with this machine's provenance and a current record), transferred
     again (those ``keep`` keeps): workload hash -> [(candidate, latency_s)], fastest first."""
-    prov = compact_provenance(provenance(target))
     rec_of = {r.id: r for r in store.records()}
     wanted = {k.workload_hash: k for k in kernels}
-    rows: dict[str, list[dict]] = {}
-    for r in load_rows(Path(out_dir) / f"{network}.jsonl"):
-        if (r.get("status") == "ok" and r.get("workload") in wanted and r.get("record") in rec_of
-                and not str(r.get("pool", "")).startswith("paper") and same_cpu(r, prov)
-                and is_current(r, rec_of[r["record"]])):
-            rows.setdefault(r["workload"], []).append(r)
+    rows = _fastest_per_record(network, set(wanted), out_dir, target, lambda r: (
+        r.get("record") in rec_of and not str(r.get("pool", "")).startswith("paper")
+        and is_current(r, rec_of[r["record"]])))
     wl_of = {r.id: w for w in store.workloads for r in w.records}
     out: dict[str, list[tuple[Transferred, float]]] = {}
-    for h, rs in rows.items():
-        best: dict[str, float] = {}
-        for r in rs:
-            best[r["record"]] = min(best.get(r["record"], math.inf), float(r["latency_s"]))
+    for h, best in rows.items():
         picks = []
         for rid, lat in sorted(best.items(), key=lambda x: x[1]):
             c = transfer(rec_of[rid], wanted[h], wl_of[rid], target)
