@@ -415,19 +415,22 @@ def test_a_kernel_that_weighs_more_in_the_tuned_model_gets_more_candidates(train
     """How many candidates a kernel gets follows its share of the untuned model, where the convs'
     default code is far slower than tuned. Once the convs are measured, a kernel whose share of
     the model as tuned so far clears ``minor_share`` gets the k that share gives it."""
+    # under the tuned share of tiny_cnn's non-conv kernels, far over their untuned share: at 0.01,
+    # near their tuned share, one CI run (00:17, 2026-12-06) left every one of them minor
+    MINOR = 0.002
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
-                           ranker=Ranker.load(trained), top_k=3, adaptive=False, minor_share=0.01,
+                           ranker=Ranker.load(trained), top_k=3, adaptive=False, minor_share=MINOR,
                            data_dir=tmp_path / "data", database_dir=tmp_path / "db",
                            time_model=False, tune_missing=0)
     untuned = sum(k.weight * k.untuned_s for k in res.kernels)
     late = [k for k in res.kernels if k.late_picks]
     assert late
     for k in late:  # minor in the untuned model, so its top-1 first; then the next in rank order
-        assert k.weight * k.untuned_s < 0.01 * untuned
+        assert k.weight * k.untuned_s < MINOR * untuned
         assert k.k == k.top_k == 3 and 1 + k.late_picks <= 3
         assert [m["rank"] for m in k.measured] == list(range(len(k.measured)))
     # a kernel that was big in the untuned model measured its k from the start
-    assert all(not k.late_picks for k in res.kernels if k.weight * k.untuned_s >= 0.01 * untuned)
+    assert all(not k.late_picks for k in res.kernels if k.weight * k.untuned_s >= MINOR * untuned)
 
 
 def test_a_pool_gets_more_draws_of_its_small_design_space_once_it_matters(trained, donor_dir, tiny_cnn, tmp_path,
