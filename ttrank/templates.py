@@ -1,0 +1,171 @@
+"""Template schedules: register-tiled convolutions written the way hand-tuned CPU libraries
+write them, measured beside the donors' schedules.
+
+MetaSchedule's search reaches a dense packed conv's fast region slowly: on rocketlake, YOLO's
+64x52x52 -> 80 3x3 conv ran 1.27 ms with the best transferred donor schedule, onnxruntime's
+MLAS kernel 0.84 ms, and this template 0.86 ms. The template is MLAS's loop nest for NCHWc: a
+row of ``regn`` output pixels times ``ocn`` channel blocks accumulates in registers (``ocn *
+regn`` vectors, one vector per channel block) over every input channel and kernel tap, the
+input pixel broadcast and the weights loaded as vectors; (channel block, output row) pairs are
+spread over the cores; the fused epilogue runs on the finished tile.
+
+Its schedules enter the pipeline as records of the kernel itself (network ``template``), as
+design-space draws do, so they are replayed, checked, measured and chosen like a donor's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import NamedTuple
+
+from .donors import DonorRecord, DonorWorkload
+from .kernels import Kernel
+from .ranking import Candidate
+from .target import cpu_isa, make_target
+
+TEMPLATE_NETWORK = "template"
+# vector registers a tile's loads need beside its accumulators (the weights' vectors, the
+# broadcast input pixel)
+SPARE_REGISTERS = 4
+# (most output channel blocks, most accumulators out of 28, rows or columns first on a tie):
+# each rule gives a kernel one tile, measured in this order. Chosen greedily over every tile
+# of up to 4 blocks x 14 rows x 28 columns, timed on 29 packed convs of YOLO, GoogLeNet and
+# ResNet-50 (rocketlake): the best of the first, of two and of three ran 1.13x, 1.04x and 1.02x
+# the best tile's time (geometric mean); beside each kernel's recommended schedule (ranker
+# picks, leave-one-network-out), the three took the kernels to 0.935x of it.
+TILE_RULES = ((1, 14, "rows"), (3, 24, "rows"), (4, 16, "columns"))
+MAX_ROWS = 14
+
+log = logging.getLogger("ttrank")
+
+
+class Tile(NamedTuple):
+    """One template configuration: ``ocn`` channel blocks x ``regn`` output pixels per tile,
+    and whether the kernel-column loop is unrolled too."""
+
+    ocn: int
+    regn: int
+    unroll_kw: bool
+    rows: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.ocn}x{self.rows}x{self.regn}{'u' if self.unroll_kw else ''}"
+
+
+def applies(kernel: Kernel) -> bool:
+    """Whether the template schedules ``kernel``: a packed (NCHWc) dense conv with its loop
+    nest (batch, channel blocks, rows, columns, channel lanes; then input channel blocks,
+    kernel rows, kernel columns, input lanes). :func:`schedule` handles packed depthwise convs
+    too, but there the template lost to the recommended schedule on 14 of 16 MobileNetV2 and
+    MnasNet kernels (1.1-2.8x slower; a depthwise conv is bound by memory, and the template
+    pads the whole input first), so they are left to their donors."""
+    return kernel.anchor_op == "conv2d_NCHWc" and kernel.iter_kinds == "SSSSSRRRR"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def accumulators(target, lanes: int) -> int:
+    """How many ``lanes``-wide accumulators fit in ``target``'s vector registers beside
+    :data:`SPARE_REGISTERS`: 32 registers with AVX-512 and on Arm, 16 with AVX2 (or a CPU this
+    LLVM does not know); an accumulator wider than the registers takes several."""
+    attrs = target.attrs
+    isa = cpu_isa(str(attrs.get("mcpu", "") or ""), str(attrs.get("mtriple", "") or ""))
+    registers = 32 if isa.get("avx512") or isa.get("arm") else 16
+    width = int(isa.get("vector_bits") or 256) // 32
+    return max(1, (registers - SPARE_REGISTERS) // -(-lanes // width))
+
+
+def tiles(kernel: Kernel, target=None) -> list[Tile]:
+    """The configurations worth measuring for ``kernel`` on ``target``, the likeliest first
+    (:data:`TILE_RULES`, each the largest tile of whole rows and columns under its cap)."""
+    oc_chunks, height, width, lanes = kernel.extents[1:5]
+    kw = kernel.extents[-2]
+    room = accumulators(target if target is not None else make_target(), lanes)
+    out: list[Tile] = []
+    for most_blocks, cap, prefer in TILE_RULES:
+        cap = max(1, cap * room // 28)
+        ocn = max(d for d in _divisors(oc_chunks) if d <= min(most_blocks, cap))
+        pixels = [(r * x, x if prefer == "columns" else r, r, x) for r in _divisors(height) for x in _divisors(width)
+                  if ocn * r * x <= cap and r <= MAX_ROWS]
+        _, _, rows, regn = max(pixels)
+        tile = Tile(ocn, regn, kw > 1, rows)
+        if tile not in out:
+            out.append(tile)
+    return out
+
+
+def schedule(mod, tile: Tile):
+    """The template applied to a packed conv kernel's module (an ``s_tir.Schedule``): raises if
+    the kernel's blocks are not a packed conv and its elementwise epilogue."""
+    from tvm import s_tir  # TVM loads slowly: only when a kernel needs it
+
+    sch = s_tir.Schedule(mod)
+    root = sch.get_sblock("root")
+    blocks = sch.get_child_blocks(root)
+    names = [sch.get(b).name_hint for b in blocks]
+    anchor = next(n for n in names if n.startswith(("conv2d_NCHWc", "depthwise_conv2d_NCHWc")))
+    conv = blocks[names.index(anchor)]
+    pad = blocks[names.index("data_pad")] if "data_pad" in names else None
+    out = None
+    for b, name in zip(blocks, names):
+        if name in (anchor, "data_pad"):
+            continue
+        try:
+            sch.compute_inline(b)
+        except Exception:  # noqa: BLE001 - the output block: computed on each finished tile
+            if out is not None:
+                raise ValueError("more than one epilogue block cannot be inlined") from None
+            out = b
+    acc = sch.cache_write(conv, 0, "local")
+    b_, oc, y, x, o, *reduce = sch.get_loops(conv)  # reduce: (ic, kh, kw, icb) or, depthwise, (kh, kw)
+    kw = reduce[2] if len(reduce) == 4 else reduce[1]
+    oc_o, oc_i = sch.split(oc, [None, tile.ocn])
+    y_o, y_i = sch.split(y, [None, tile.rows])
+    x_o, x_i = sch.split(x, [None, tile.regn])
+    sch.reorder(b_, oc_o, y_o, x_o, *reduce, oc_i, y_i, x_i, o)
+    sch.parallel(sch.fuse(b_, oc_o, y_o))
+    sch.reverse_compute_at(acc, x_o)
+    if out is not None:
+        sch.reverse_compute_at(out, x_o)
+    for blk in (acc, out):
+        if blk is not None:
+            sch.vectorize(sch.get_loops(blk)[-1])
+    sch.unroll(oc_i)
+    sch.unroll(y_i)
+    sch.unroll(x_i)
+    if tile.unroll_kw:
+        sch.unroll(kw)
+    sch.vectorize(o)
+    sch.decompose_reduction(conv, reduce[0])
+    if pad is not None:  # padded once, on every core, before the conv reads it
+        loops = sch.get_loops(pad)
+        sch.parallel(sch.fuse(*loops[:3]))
+        sch.vectorize(loops[-1])
+    return sch
+
+
+def template_candidates(kernel: Kernel, target, n: int = 1) -> list[Candidate]:
+    """Up to ``n`` template schedules of ``kernel`` (:func:`tiles` order), as candidates with no
+    ranker score; none when the template does not apply."""
+    from tvm.s_tir import meta_schedule as ms
+
+    if n < 1 or not applies(kernel):
+        return []
+    workload = ms.database.Workload(kernel.mod)
+    donor = DonorWorkload(TEMPLATE_NETWORK, kernel, workload.as_json(), source=TEMPLATE_NETWORK, _mod=kernel.mod)
+    for tile in tiles(kernel, target)[:n]:
+        try:
+            sch = schedule(kernel.mod, tile)
+        except Exception as e:  # noqa: BLE001 - a kernel the template cannot schedule keeps its donors
+            log.debug("template %s does not apply to %s: %s", tile.key, kernel.name, e)
+            continue
+        trace = ms.database.TuningRecord(sch.trace, workload).as_json()[0]
+        donor.records.append(DonorRecord(
+            id=f"{TEMPLATE_NETWORK}/{kernel.workload_hash}/{tile.key}", network=TEMPLATE_NETWORK,
+            kernel=kernel.name, workload_key=donor.key, rank=len(donor.records), latency_s=math.nan,
+            trace_json=trace, target=str(target)))
+    return [Candidate(kernel, donor, r, 0.0) for r in donor.records]
