@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import tvm
 
-from ttrank import kernels, templates, zoo
+from ttrank import kernels, runtime, templates, zoo
 from ttrank.measure import _run_host
 from ttrank.target import make_target
 from ttrank.transfer import transfer
@@ -73,3 +73,17 @@ def test_a_kernel_the_template_cannot_schedule_keeps_its_donors(tiny_cnn, target
 
     monkeypatch.setattr(templates, "schedule", refuse)
     assert templates.template_candidates(k, target) == []
+
+
+def test_a_search_that_beat_nothing_leaves_the_default_code(tiny_cnn, target, tmp_path):
+    """recommend's own tuning database holds every record it tried: only the kernels whose
+    search beat their default code take its best into the model's database."""
+    k = _packed_convs(tiny_cnn, target)[0]
+    cand = templates.template_candidates(k, target)[0]
+    tried = runtime.write_database(tmp_path / "tuning", [k], {k.name: transfer(cand.record, k, cand.donor, target)},
+                                   target)  # stands for the search's own database
+    assert tried.has_workload(k.mod)
+    lost = runtime.write_database(tmp_path / "lost", [k], {}, target, extra_db=tried)
+    assert not lost.has_workload(k.mod)
+    won = runtime.write_database(tmp_path / "won", [k], {}, target, extra_db=tried, extra_kernels={k.name})
+    assert len(won.get_top_k(won.commit_workload(k.mod), 1)) == 1

@@ -852,7 +852,8 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
     exported then, as its parts are linked at export); ``kept_objects``: its measured builds,
     linked instead of compiled again."""
     staged = db_dir.with_name(f".{db_dir.name}.staged")
-    database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db)
+    tuned = {n for n, r in reports.items() if r.status == "tuned-missing"}  # their search beat the default
+    database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db, tuned)
     ex = compile_model(model, target, database, compile_objects if output else None,
                        kept_objects if output else None)
     foreign = is_foreign(target)
