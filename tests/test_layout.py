@@ -48,7 +48,7 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, packed_do
     report = tmp_path / "report.json"
     assert main(["recommend", str(tiny_cnn), "--layout", "nchwc", "-o", str(tmp_path / "cnn.so"),
                  "--ranker", str(trained), "--donors", str(packed_donors), "--json", str(report),
-                 "--data-dir", str(tmp_path / "data"), "--top-k", "2", "--tune-missing", "0",
+                 "--data-dir", str(tmp_path / "data"), "--top-k", "2", "--fixed-k", "--tune-missing", "0",
                  "--no-progress"]) == 0
     r = json.loads(report.read_text())
     assert r["provenance"]["layout"] == "nchwc"
@@ -56,6 +56,17 @@ def test_packed_layout_tunes_transfers_and_compiles(trained, tiny_cnn, packed_do
     packed = [k for k in r["kernels"] if "NCHWc" in k["workload_class"]]
     assert packed and all(k["candidates"] > 0 for k in packed)
     assert any(k["status"] == "tuned" for k in packed)
+    # a dense packed conv of a shape no donor was tuned on, given more than one candidate, also
+    # gets template schedules measured beside the donors' (ttrank.templates); a conv of the
+    # shape the donors were tuned on gets none
+    def templates_measured(k: dict) -> int:
+        return sum(m["donor"].startswith("template/") for m in k["measured"])
+
+    shapes = {tuple(w.kernel.extents) for w in store.workloads}  # the donors were tuned on these
+    dense = [k for k in packed if k["workload_class"].startswith("conv2d_NCHWc")]
+    assert not any(templates_measured(k) for k in dense if tuple(k["extents"]) in shapes)
+    others = [k for k in dense if tuple(k["extents"]) not in shapes and k["top_k"] > 1]
+    assert others and all(templates_measured(k) for k in others)
 
     # the same model as exported has no packed kernel: NCHW and packed schedules never mix
     plain = kernels.extract(zoo.load(str(tiny_cnn)).mod, make_target())
