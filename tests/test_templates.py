@@ -40,6 +40,12 @@ def test_a_packed_conv_gets_template_schedules_that_compute_what_it_computes(tin
 def test_other_kernels_get_no_template(tiny_cnn, target):
     model = zoo.load(str(tiny_cnn), target=target)  # as exported: NCHW convs
     assert not any(templates.template_candidates(k, target) for k in kernels.model_kernels(model, target))
+    # packed, its 1x1 and depthwise convs keep their donors
+    packed = kernels.model_kernels(zoo.load(str(tiny_cnn), layout="nchwc", target=target), target)
+    pointwise = [k for k in packed if k.anchor_op == "conv2d_NCHWc" and k.extents[6] * k.extents[7] == 1]
+    depthwise = [k for k in packed if k.anchor_op == "depthwise_conv2d_NCHWc"]
+    assert pointwise and depthwise
+    assert not any(templates.applies(k) for k in pointwise + depthwise)
 
 
 def test_tiles_fill_the_registers_with_whole_rows_and_columns(tiny_cnn, target):

@@ -57,11 +57,17 @@ class Tile(NamedTuple):
 def applies(kernel: Kernel) -> bool:
     """Whether the template schedules ``kernel``: a packed (NCHWc) dense conv with its loop
     nest (batch, channel blocks, rows, columns, channel lanes; then input channel blocks,
-    kernel rows, kernel columns, input lanes). :func:`schedule` handles packed depthwise convs
-    too, but there the template lost to the recommended schedule on 14 of 16 MobileNetV2 and
-    MnasNet kernels (1.1-2.8x slower; a depthwise conv is bound by memory, and the template
-    pads the whole input first), so they are left to their donors."""
-    return kernel.anchor_op == "conv2d_NCHWc" and kernel.iter_kinds == "SSSSSRRRR"
+    kernel rows, kernel columns, input lanes) and a window wider than one pixel.
+
+    Left to their donors: 1x1 convs, whose templates won when measured alone (cold caches) and
+    lost in the model (on rocketlake, ResNet-50's seven chosen had run 6-22% faster alone, and
+    its 1x1 convs then took 14% longer in its profile, 21.4 against 18.8 ms; YOLO's 7%), and
+    packed depthwise convs
+    (:func:`schedule` handles them, but the template lost to the recommended schedule on 14 of
+    16 MobileNetV2 and MnasNet kernels: they are bound by memory, and it pads the whole input
+    first)."""
+    return (kernel.anchor_op == "conv2d_NCHWc" and kernel.iter_kinds == "SSSSSRRRR"
+            and kernel.extents[6] * kernel.extents[7] > 1)
 
 
 def _divisors(n: int) -> list[int]:
