@@ -495,10 +495,10 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     also = ([native_candidate(ranked, target.attrs.get("mcpu"), str(target.attrs.get("mtriple") or ""))]
             if rep.top_k > 1 else [])
     # and a packed conv's template schedules (:mod:`ttrank.templates`) when no donor was tuned on
-    # its very shape: YOLO's convs (52, 26 and 13 pixels wide) took a template on 28 of 45 and
-    # the whole model ran 4% faster (rocketlake, side by side). Where donors of the same shape
-    # exist (ResNet-50 from ResNet-18's) templates won on kernel sums (-4%) but not in the
-    # model (+1.5%), and cost 60 candidates
+    # its very shape: YOLO's convs (52, 26 and 13 pixels wide) took a template on 18 of 45 and
+    # the whole model ran 10% faster (rocketlake, side by side). Where donors of the same shape
+    # exist (ResNet-50's from ResNet-18's) templates won on kernel sums (-4%) but not in the
+    # model, and cost 60 candidates
     if not any(c.donor.network != SPACE_NETWORK and c.donor.kernel.extents == k.extents for c in ranked):
         also += template_candidates(k, target, min(TEMPLATE_TILES, rep.top_k - 1))
     # the second stage still reorders a kernel the policy gives one candidate (its top-1 may

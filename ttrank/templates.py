@@ -4,10 +4,10 @@ write them, measured beside the donors' schedules.
 MetaSchedule's search reaches a dense packed conv's fast region slowly: on rocketlake, YOLO's
 64x52x52 -> 80 3x3 conv ran 1.27 ms with the best transferred donor schedule, onnxruntime's
 MLAS kernel 0.84 ms, and this template 0.86 ms. The template is MLAS's loop nest for NCHWc: a
-row of ``regn`` output pixels times ``ocn`` channel blocks accumulates in registers (``ocn *
-regn`` vectors, one vector per channel block) over every input channel and kernel tap, the
-input pixel broadcast and the weights loaded as vectors; (channel block, output row) pairs are
-spread over the cores; the fused epilogue runs on the finished tile.
+tile of ``rows`` x ``regn`` output pixels times ``ocn`` channel blocks accumulates in registers
+(one vector per pixel and channel block) over every input channel and kernel tap, the input
+pixel broadcast and the weights loaded as vectors; (channel blocks, rows) tiles are spread over
+the cores; the fused epilogue runs on each finished tile.
 
 Its schedules enter the pipeline as records of the kernel itself (network ``template``), as
 design-space draws do, so they are replayed, checked, measured and chosen like a donor's.
@@ -41,8 +41,8 @@ log = logging.getLogger("ttrank")
 
 
 class Tile(NamedTuple):
-    """One template configuration: ``ocn`` channel blocks x ``regn`` output pixels per tile,
-    and whether the kernel-column loop is unrolled too."""
+    """One template configuration: ``ocn`` channel blocks x ``rows`` x ``regn`` output pixels
+    per tile, and whether the kernel-column loop is unrolled too."""
 
     ocn: int
     regn: int
