@@ -62,12 +62,15 @@ def test_tiles_fill_the_registers_with_whole_rows_and_columns(tiny_cnn, target):
     # YOLO's 3x3 conv at 52x52, 80 channels: 13 rows of a column, then 4 x 4 pixels
     assert [(t.ocn, t.rows, t.regn, t.unroll_kw) for t in templates.tiles(shaped(5, 52, 3), avx512)] == \
         [(1, 13, 1, True), (1, 4, 4, True)]
-    for size, kw, cpu, lanes in [(13, 1, avx512, 16), (56, 3, avx512, 16), (56, 3, avx2, 8), (7, 3, avx2, 16)]:
+    # 13 is prime: under AVX2's 12 accumulators, a whole column of 13 rather than one pixel
+    assert (templates.tiles(shaped(16, 13, 3, lanes=8), avx2)[0].rows, templates.tiles(shaped(16, 13, 3, lanes=8), avx2)[0].regn) == (13, 1)
+    for size, kw, cpu, lanes in [(13, 1, avx512, 16), (56, 3, avx512, 16), (56, 3, avx2, 8), (7, 3, avx2, 16),
+                                 (13, 3, avx2, 8)]:
         tiles = templates.tiles(shaped(16, size, kw, lanes), cpu)
         assert tiles and len(set(tiles)) == len(tiles)
         for t in tiles:  # whole rows and columns, in the registers
             assert size % t.rows == 0 and size % t.regn == 0 and 16 % t.ocn == 0
-            assert t.ocn * t.rows * t.regn <= templates.accumulators(cpu, lanes)
+            assert t.ocn * t.rows * t.regn <= templates.accumulators(cpu, lanes) + templates.OVERFLOW_REGISTERS
             assert t.unroll_kw == (kw > 1)
 
 
