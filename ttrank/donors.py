@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import json
 import logging
+import math
 import pickle
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,7 @@ class DonorWorkload:
     source: str = ""
 
     _mod: Any = field(default=None, repr=False, compare=False)
+    _workload: Any = field(default=None, repr=False, compare=False)  # MetaSchedule's, for :meth:`add`
 
     @property
     def key(self) -> str:
@@ -98,6 +100,30 @@ class DonorWorkload:
     @property
     def best_s(self) -> float:
         return self.records[0].latency_s if self.records else float("inf")
+
+    @classmethod
+    def of_kernel(cls, network: str, kernel: Kernel) -> DonorWorkload:
+        """``kernel`` itself as a donor workload with no records yet: schedules made for the
+        kernel (design-space draws, templates) enter as its records (:meth:`add`)."""
+        from tvm.s_tir import meta_schedule as ms
+
+        workload = ms.database.Workload(kernel.mod)
+        return cls(network, kernel, workload.as_json(), source=network, _mod=kernel.mod, _workload=workload)
+
+    def add(self, name: str, sch, target) -> DonorRecord:
+        """A schedule of this workload (an ``s_tir.Schedule``) as its next record, unmeasured,
+        with the id ``<network>/<workload hash>/<name>``."""
+        from tvm.s_tir import meta_schedule as ms
+
+        if self._workload is None:
+            self._workload = ms.database.Workload(self.module())
+        # the trace as a database line holds it (a donor record's form)
+        trace = ms.database.TuningRecord(sch.trace, self._workload).as_json()[0]
+        rec = DonorRecord(id=f"{self.network}/{self.kernel.workload_hash}/{name}", network=self.network,
+                          kernel=self.kernel.name, workload_key=self.key, rank=len(self.records),
+                          latency_s=math.nan, trace_json=trace, target=str(target))
+        self.records.append(rec)
+        return rec
 
 
 @dataclass

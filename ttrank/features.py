@@ -85,7 +85,8 @@ def group_columns(groups: tuple[str, ...] | list[str]) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _divisors(n: int) -> tuple[int, ...]:
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending."""
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return tuple(sorted(set(small + [n // d for d in small])))
 
@@ -94,7 +95,7 @@ def _divisors(n: int) -> tuple[int, ...]:
 def nearest_divisor(n: int, want: int) -> int:
     """The divisor of n closest to ``want`` in ratio (ties: the smaller)."""
     want = max(1, want)
-    return min(_divisors(n), key=lambda d: (abs(math.log(d / want)), d))
+    return min(divisors(n), key=lambda d: (abs(math.log(d / want)), d))
 
 
 def adapt_tiles(factors: list[int], extent: int) -> list[int]:

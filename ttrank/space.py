@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 
-from .donors import DonorRecord, DonorWorkload
+from .donors import DonorWorkload
 from .kernels import Kernel
 from .ranking import Candidate
 from .target import cpu_tensor_intrinsics
@@ -44,18 +43,17 @@ def space_candidates(kernel: Kernel, target, n: int = 3, seed: int = 0) -> list[
     rerun finds its earlier measurements of them."""
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when a kernel needs it
 
-    workload = ms.database.Workload(kernel.mod)
-    donor = DonorWorkload(SPACE_NETWORK, kernel, workload.as_json(), source=SPACE_NETWORK, _mod=kernel.mod)
+    donor = DonorWorkload.of_kernel(SPACE_NETWORK, kernel)
     seen: set[str] = set()
     try:
-        _draw(kernel, workload, target, n, seed, donor, seen)
+        _draw(kernel, target, n, seed, donor, seen)
     except Exception as e:  # noqa: BLE001 - a kernel MetaSchedule cannot schedule keeps its default
         log.debug("no design space for %s: %s", kernel.name, e)
     # no ranker score: they are measured in the order drawn
     return [Candidate(kernel, donor, r, 0.0) for r in donor.records]
 
 
-def _draw(kernel: Kernel, workload, target, n: int, seed: int, donor: DonorWorkload, seen: set[str]) -> None:
+def _draw(kernel: Kernel, target, n: int, seed: int, donor: DonorWorkload, seen: set[str]) -> None:
     from tvm.s_tir import meta_schedule as ms
 
     with cpu_tensor_intrinsics(target):
@@ -65,15 +63,12 @@ def _draw(kernel: Kernel, workload, target, n: int, seed: int, donor: DonorWorkl
             ctx = ms.TuneContext(mod=kernel.mod, target=target, space_generator="post-order-apply",
                                  task_name=kernel.name, rand_state=seed + draw + 1, num_threads=1)
             for sch in ctx.generate_design_space():
-                # the trace as a database line holds it (a donor record's form)
-                trace = ms.database.TuningRecord(sch.trace, workload).as_json()[0]
-                text = json.dumps(trace, sort_keys=True)
-                if text in seen or len(donor.records) >= n:
+                if len(donor.records) >= n:
+                    break
+                rec = donor.add(str(len(donor.records)), sch, target)
+                text = json.dumps(rec.trace_json, sort_keys=True)
+                if text in seen:  # a draw repeated
+                    donor.records.pop()
                     continue
                 seen.add(text)
-                rank = len(donor.records)
-                donor.records.append(DonorRecord(
-                    id=f"{SPACE_NETWORK}/{kernel.workload_hash}/{rank}", network=SPACE_NETWORK,
-                    kernel=kernel.name, workload_key=donor.key, rank=rank, latency_s=math.nan,
-                    trace_json=trace, target=str(target)))
 

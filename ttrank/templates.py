@@ -16,12 +16,13 @@ design-space draws do, so they are replayed, checked, measured and chosen like a
 from __future__ import annotations
 
 import logging
-import math
 from typing import NamedTuple
 
-from .donors import DonorRecord, DonorWorkload
+from .donors import DonorWorkload
+from .features import divisors
 from .kernels import Kernel
 from .ranking import Candidate
+from .layouts import simd_lanes
 from .target import cpu_isa, make_target
 
 TEMPLATE_NETWORK = "template"
@@ -65,16 +66,11 @@ def applies(kernel: Kernel) -> bool:
     Left to their donors: 1x1 convs, whose templates won when measured alone (cold caches) and
     lost in the model (on rocketlake, ResNet-50's seven chosen had run 6-22% faster alone, and
     its 1x1 convs then took 14% longer in its profile, 21.4 against 18.8 ms; YOLO's 7%), and
-    packed depthwise convs
-    (:func:`schedule` handles them, but the template lost to the recommended schedule on 14 of
-    16 MobileNetV2 and MnasNet kernels: they are bound by memory, and it pads the whole input
-    first)."""
+    packed depthwise convs (the same loop nest without the input channels lost to the
+    recommended schedule on 14 of 16 MobileNetV2 and MnasNet kernels: they are bound by
+    memory, and it pads the whole input first)."""
     return (kernel.anchor_op == "conv2d_NCHWc" and kernel.iter_kinds == "SSSSSRRRR"
             and kernel.extents[6] * kernel.extents[7] > 1)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def accumulators(target, lanes: int) -> int:
@@ -84,20 +80,19 @@ def accumulators(target, lanes: int) -> int:
     attrs = target.attrs
     isa = cpu_isa(str(attrs.get("mcpu", "") or ""), str(attrs.get("mtriple", "") or ""))
     registers = 32 if isa.get("avx512") or isa.get("arm") else 16
-    width = int(isa.get("vector_bits") or 256) // 32
-    return max(1, (registers - SPARE_REGISTERS) // -(-lanes // width))
+    return max(1, (registers - SPARE_REGISTERS) // -(-lanes // simd_lanes(target)))
 
 
 def tiles(kernel: Kernel, target=None) -> list[Tile]:
     """The configurations worth measuring for ``kernel`` on ``target``, the likeliest first
     (:data:`TILE_RULES`, each the largest tile of whole rows and columns under its cap)."""
     oc_chunks, height, width, lanes = kernel.extents[1:5]
-    kw = kernel.extents[-2]
+    kw = kernel.extents[7]
     room = accumulators(target if target is not None else make_target(), lanes)
     out: list[Tile] = []
     for most_blocks, cap, prefer in TILE_RULES:
         cap = max(1, cap * room // 28)
-        ocn = max(d for d in _divisors(oc_chunks) if d <= min(most_blocks, cap))
+        ocn = max(d for d in divisors(oc_chunks) if d <= min(most_blocks, cap))
         tile = _largest(ocn, height, width, cap, prefer, kw > 1)
         if 2 * tile.ocn * tile.rows * tile.regn < cap:
             # the sizes' divisors skip the cap (13x13 under AVX2's 6): one channel block over
@@ -113,7 +108,7 @@ def tiles(kernel: Kernel, target=None) -> list[Tile]:
 def _largest(ocn: int, height: int, width: int, cap: int, prefer: str, unroll_kw: bool) -> Tile:
     """The tile of ``ocn`` channel blocks over the most whole rows x columns under ``cap``
     accumulators (up to :data:`MAX_ROWS` rows), ``prefer`` ("rows" or "columns") on a tie."""
-    pixels = [(r * x, x if prefer == "columns" else r, r, x) for r in _divisors(height) for x in _divisors(width)
+    pixels = [(r * x, x if prefer == "columns" else r, r, x) for r in divisors(height) for x in divisors(width)
               if ocn * r * x <= cap and r <= MAX_ROWS]
     _, _, rows, regn = max(pixels)
     return Tile(ocn, regn, unroll_kw, rows)
@@ -128,7 +123,7 @@ def schedule(mod, tile: Tile):
     root = sch.get_sblock("root")
     blocks = sch.get_child_blocks(root)
     names = [sch.get(b).name_hint for b in blocks]
-    anchor = next(n for n in names if n.startswith(("conv2d_NCHWc", "depthwise_conv2d_NCHWc")))
+    anchor = next(n for n in names if n.startswith("conv2d_NCHWc"))
     conv = blocks[names.index(anchor)]
     pad = blocks[names.index("data_pad")] if "data_pad" in names else None
     out = None
@@ -142,12 +137,11 @@ def schedule(mod, tile: Tile):
                 raise ValueError("more than one epilogue block cannot be inlined") from None
             out = b
     acc = sch.cache_write(conv, 0, "local")
-    b_, oc, y, x, o, *reduce = sch.get_loops(conv)  # reduce: (ic, kh, kw, icb) or, depthwise, (kh, kw)
-    kw = reduce[2] if len(reduce) == 4 else reduce[1]
+    b_, oc, y, x, o, ic, kh, kw, icb = sch.get_loops(conv)
     oc_o, oc_i = sch.split(oc, [None, tile.ocn])
     y_o, y_i = sch.split(y, [None, tile.rows])
     x_o, x_i = sch.split(x, [None, tile.regn])
-    sch.reorder(b_, oc_o, y_o, x_o, *reduce, oc_i, y_i, x_i, o)
+    sch.reorder(b_, oc_o, y_o, x_o, ic, kh, kw, icb, oc_i, y_i, x_i, o)
     sch.parallel(sch.fuse(b_, oc_o, y_o))
     sch.reverse_compute_at(acc, x_o)
     if out is not None:
@@ -161,7 +155,7 @@ def schedule(mod, tile: Tile):
     if tile.unroll_kw:
         sch.unroll(kw)
     sch.vectorize(o)
-    sch.decompose_reduction(conv, reduce[0])
+    sch.decompose_reduction(conv, ic)
     if pad is not None:  # padded once, on every core, before the conv reads it
         loops = sch.get_loops(pad)
         sch.parallel(sch.fuse(*loops[:3]))
@@ -172,21 +166,12 @@ def schedule(mod, tile: Tile):
 def template_candidates(kernel: Kernel, target, n: int = 1) -> list[Candidate]:
     """Up to ``n`` template schedules of ``kernel`` (:func:`tiles` order), as candidates with no
     ranker score; none when the template does not apply."""
-    from tvm.s_tir import meta_schedule as ms
-
     if n < 1 or not applies(kernel):
         return []
-    workload = ms.database.Workload(kernel.mod)
-    donor = DonorWorkload(TEMPLATE_NETWORK, kernel, workload.as_json(), source=TEMPLATE_NETWORK, _mod=kernel.mod)
+    donor = DonorWorkload.of_kernel(TEMPLATE_NETWORK, kernel)
     for tile in tiles(kernel, target)[:n]:
         try:
-            sch = schedule(kernel.mod, tile)
+            donor.add(tile.key, schedule(kernel.mod, tile), target)
         except Exception as e:  # noqa: BLE001 - a kernel the template cannot schedule keeps its donors
             log.debug("template %s does not apply to %s: %s", tile.key, kernel.name, e)
-            continue
-        trace = ms.database.TuningRecord(sch.trace, workload).as_json()[0]
-        donor.records.append(DonorRecord(
-            id=f"{TEMPLATE_NETWORK}/{kernel.workload_hash}/{tile.key}", network=TEMPLATE_NETWORK,
-            kernel=kernel.name, workload_key=donor.key, rank=len(donor.records), latency_s=math.nan,
-            trace_json=trace, target=str(target)))
     return [Candidate(kernel, donor, r, 0.0) for r in donor.records]
