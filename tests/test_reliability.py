@@ -6,6 +6,7 @@ way a user meets a failure: one clear line and nothing lost, or a result.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import psutil
 import pytest
 from onnx import TensorProto, helper
 
@@ -185,6 +187,35 @@ def test_a_kill_between_the_renames_of_the_outputs_is_finished_by_the_next_run(t
     assert res["plan_left"] and res["finished"] and res["state_after"] == ["new", "new"]
 
 
+POOL_SCRIPT = """
+import time
+from joblib import Parallel, delayed
+from ttrank.util import orphan_safe
+Parallel(n_jobs=2)(delayed(orphan_safe(time.sleep))(120) for _ in range(2))
+"""
+
+
+def test_a_killed_process_takes_its_pool_workers_with_it():
+    proc = subprocess.Popen([sys.executable, "-c", POOL_SCRIPT])
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(psutil.Process(proc.pid).children()) < 2:
+            time.sleep(0.2)
+        time.sleep(2)  # the jobs have started
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) >= 2
+        proc.kill()  # kill -9 PID: no cleanup runs in the pool's owner
+        proc.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        proc.kill()
+        for p in workers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
 @pytest.mark.parametrize("kind", ["read_only", "full"])
 def test_export_that_cannot_write_keeps_the_previous_library(kind, tiny_cnn, tmp_path, env):
     if not reliability.can_use_mount_namespace() and (kind == "full" or os.geteuid() == 0):
@@ -264,6 +295,7 @@ def test_kill_9_during_recommend_then_rerun(trained, donor_dir, tiny_cnn, tmp_pa
     res = reliability.kill_during_recommend(str(tiny_cnn), donor_dir, trained, tmp_path, env=env)
     assert res["first_run"]["returncode"] == 0 and res["killed_before_finishing"]
     assert res["rows_when_killed"] >= 3 and res["old_outputs_intact_after_kill"]
+    assert res["workers_left_running"] == 0, res  # no worker goes on using the cores
     assert res["rerun"]["returncode"] == 0, res["rerun"]
     assert res["rows_measured_twice"] == 0 and res["outputs_from_one_run"] and res["lost"] == 0
 

@@ -21,6 +21,7 @@ from .features import FEATURE_NAMES
 from .ranking import FixedK
 from .transfer import REJECTED
 from .target import host_cores
+from .util import orphan_safe
 
 
 def group_spans(ds: Dataset) -> list[tuple[int, int]]:
@@ -120,7 +121,7 @@ def held_out_scores(ds: Dataset, make_model: Callable[[], object], groups: np.nd
         folds.append((name, list(train), test))
     # one fold per core (each fit is single-threaded, so the scores do not depend on n_jobs)
     fitted = Parallel(n_jobs=host_cores())(
-        delayed(_fit_predict)(make_model, ds.X[train], ds.y[train], _regroup(ds, train), ds.X[test])
+        delayed(orphan_safe(_fit_predict))(make_model, ds.X[train], ds.y[train], _regroup(ds, train), ds.X[test])
         for _, train, test in folds)
     for (name, _, test), pred in zip(folds, fitted):
         scores[test] = pred

@@ -101,6 +101,26 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         proc.wait(timeout=30)
 
 
+def session_survivors(proc: subprocess.Popen, grace_s: float = 15.0) -> tuple[int, float]:
+    """After ``proc`` (started by :func:`start_ttrank`, in a session of its own) was killed
+    alone, as ``kill -9 PID`` does: how many processes it started are still running ``grace_s``
+    later (its worker pools), and how long the last one took to end. The rest are killed."""
+    start = time.time()
+    alive: list[psutil.Process] = []
+    while True:
+        alive = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.pid != proc.pid and os.getsid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.time() - start > grace_s:
+            break
+        time.sleep(0.2)
+    waited = time.time() - start
+    kill_tree(proc)
+    return len(alive), waited
+
+
 def sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
@@ -343,12 +363,14 @@ def _table_keys(data: Path) -> list[tuple[str, str]]:
 def kill_during_recommend(model: str, donor_dir: Path, ranker: Path, work: Path,
                           env: dict | None = None, kill_after_rows: int = 3) -> dict:
     """A first run completes (old outputs); a second one, asking for more candidates, is
-    killed with SIGKILL once it has appended measurements; a third completes. ``work``: a new
-    folder (the measurements of an earlier run there would leave nothing to kill).
+    killed with SIGKILL once it has appended measurements (the process alone, as ``kill -9 PID``
+    does, not its process group); a third completes. ``work``: a new folder (the measurements of
+    an earlier run there would leave nothing to kill).
 
-    Checks: after the kill the old database and library are intact (byte for byte); the rerun
-    measures nothing the killed run finished (no (kernel, record) twice in the table) and
-    completes; its outputs come from one run (the report's database holds what it chose).
+    Checks: the killed run's worker processes end with it (within a few seconds); after the
+    kill the old database and library are intact (byte for byte); the rerun measures nothing
+    the killed run finished (no (kernel, record) twice in the table) and completes; its outputs
+    come from one run (the report's database holds what it chose).
     """
     out, data = work / "out", work / "data"
     first = ttrank(*recommend_args(model, out, donor_dir, ranker, data, top_k=1), env=env)
@@ -360,7 +382,9 @@ def kill_during_recommend(model: str, donor_dir: Path, ranker: Path, work: Path,
             and len(_table_keys(data)) < rows_before + kill_after_rows:
         time.sleep(0.2)
     finished_first = proc.poll() is not None
-    kill_tree(proc)
+    proc.kill()
+    proc.wait(timeout=30)
+    left_running, waited = session_survivors(proc)
     after_kill = len(_table_keys(data))
     intact = sha256(out / "m.so") == old_lib and tree_digest(out / "m") == old_db
     rerun = ttrank(*recommend_args(model, out, donor_dir, ranker, data, top_k=3), env=env)
@@ -368,14 +392,16 @@ def kill_during_recommend(model: str, donor_dir: Path, ranker: Path, work: Path,
     duplicates = len(keys) - len(set(keys))
     consistent = _outputs_agree(out)
     lost = (0 if intact else 1) + max(0, after_kill - len(set(keys)))
-    return {"name": "kill -9 during recommend, then rerun", "first_run": first.summary(),
+    return {"name": "kill -9 PID during recommend, then rerun", "first_run": first.summary(),
             "killed_before_finishing": not finished_first,
-            "rows_when_killed": after_kill - rows_before, "old_outputs_intact_after_kill": intact,
+            "rows_when_killed": after_kill - rows_before, "workers_left_running": left_running,
+            "workers_ended_within_s": round(waited, 1), "old_outputs_intact_after_kill": intact,
             "rerun": rerun.summary(), "rows_measured_twice": duplicates,
             "outputs_from_one_run": consistent, "lost": lost,
             "survived": first.returncode == 0 and rerun.returncode == 0 and intact
-            and duplicates == 0 and consistent and not finished_first,
-            "outcome": f"killed after {after_kill - rows_before} new rows; old database and library "
+            and duplicates == 0 and consistent and not finished_first and left_running == 0,
+            "outcome": f"killed after {after_kill - rows_before} new rows; {left_running} of its "
+                       f"workers still running after {waited:.0f} s; old database and library "
                        f"{'intact' if intact else 'DAMAGED'}; rerun exit {rerun.returncode}, "
                        f"{duplicates} rows measured twice, outputs from one run: {consistent}"}
 

@@ -17,8 +17,9 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +366,42 @@ def on_sigint(signum, frame) -> None:
     signal.default_int_handler(signum, frame)
 
 
+_WATCHED_PARENT: list[int] = []  # in a worker process: the parent it watches (set once)
+
+
+def exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """In a worker process started by ``parent``: end this process once ``parent`` has ended.
+    In ``parent`` itself (a pool that ran the job in-process), nothing.
+
+    loky keeps its workers, and lets a running job finish, after the process that started them
+    was killed: a killed recommend or train would go on using the cores its user wanted back.
+    A daemon thread polls the parent; PR_SET_PDEATHSIG would follow the *thread* that spawned
+    the worker, and loky spawns replacements from its manager thread."""
+    if parent == os.getpid() or _WATCHED_PARENT:
+        return
+    _WATCHED_PARENT.append(parent)
+    if os.getppid() != parent:  # it ended before this job started
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ttrank-exit-with-parent", daemon=True).start()
+
+
+def orphan_safe(job: Callable) -> Callable:
+    """``job`` as a worker pool's job (joblib's ``delayed(orphan_safe(job))(...)``): the worker
+    that runs it ends when this process does (:func:`exit_with_parent`)."""
+    return functools.partial(_job_in_worker, os.getpid(), job)
+
+
+def _job_in_worker(parent: int, job: Callable, *args, **kwargs):
+    exit_with_parent(parent)
+    return job(*args, **kwargs)
+
+
 def fill_caches(paths: dict[Path, Path], job, *args) -> list[Path]:
     """Make the missing cache files of ``paths`` (source -> its cache file) on every core, one
     source per worker process: ``job(str(source), *args, str(cache))``. With one missing, or one
@@ -377,6 +414,6 @@ def fill_caches(paths: dict[Path, Path], job, *args) -> list[Path]:
             # "a worker stopped"; its jobs go to the new worker, so the user has nothing to do
             warnings.filterwarnings("ignore", message="A worker stopped while some jobs")
             Parallel(n_jobs=min(host_cores(), len(todo)))(
-                delayed(job)(str(src), *args, str(paths[src])) for src in todo)
+                delayed(orphan_safe(job))(str(src), *args, str(paths[src])) for src in todo)
         todo = [src for src in todo if not paths[src].exists()]
     return todo
