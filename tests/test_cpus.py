@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+import tvm
+from tvm import te
 
 from ttrank import collect, donors, locations
 from ttrank.cli import main
@@ -20,8 +22,11 @@ from ttrank.errors import RankerError
 from ttrank.evaluate import leave_one_cpu_out, per_cpu
 from ttrank.features import CPU_NAMES, FEATURE_NAMES, cpu_features
 from ttrank.holdout import hold_out_cpu, row_cpu, tuned_on
+from ttrank.layouts import simd_lanes
 from ttrank.ranker import Ranker, meta_path
-from ttrank.target import cpu_busy_now, cpu_description, host_mcpu, provenance
+from ttrank.target import (cpu_busy_now, cpu_description, host_mattr, host_mcpu, host_triple, make_target,
+                           provenance, target_isa)
+from ttrank.templates import accumulators
 from ttrank.util import read_jsonl
 
 
@@ -50,6 +55,39 @@ def test_the_host_is_described_with_its_caches():
     assert f["c_donor_threads"] == -math.log2(me["threads"])
     assert f["c_vec_lanes"] == 4.0 - math.log2(me["vector_bits"] / 32)
     assert list(f) == CPU_NAMES and FEATURE_NAMES[-len(CPU_NAMES):] == CPU_NAMES
+
+
+AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+
+
+@pytest.mark.skipif(not host_triple().startswith("x86_64"), reason="x86 feature flags")
+def test_the_host_target_fits_the_features_the_cpu_reports():
+    # a hypervisor that hides AVX-512 behind a Zen 4's model: the code must not use it
+    mattr = host_mattr("znver4", AVX2_FLAGS)
+    assert "-avx512f" in mattr and not [m for m in mattr if m.startswith("+")]
+    t = make_target({"kind": "llvm", "mcpu": "znver4", "mattr": mattr})
+    assert target_isa(t)["avx512"] == 0 and target_isa(t)["vector_bits"] == 256
+    # so the packed layout and the templates size for AVX2, and so do the ranker's CPU facts
+    assert simd_lanes(t) == 8 and accumulators(t, 8) == 12
+    assert cpu_description({"mcpu": "znver4", "target": str(t)})["avx512"] == 0
+    # an LLVM older than the CPU names an older model: the features it has are switched on
+    assert host_mattr("znver2", AVX2_FLAGS | {"avx512f", "avx512bw", "amx_tile"}) == ["+avx512f", "+avx512bw"]
+    assert host_mattr("znver3", AVX2_FLAGS) == [] and host_mattr("znver3", frozenset()) == []
+    # what runs here: the name LLVM gives this host, fitted to its flags, compiles and runs
+    host = make_target()
+    assert host_mattr(str(host.attrs["mcpu"])) == list(host.attrs.get("mattr") or [])
+    x = np.arange(64, dtype="float32")
+    for target in (host, make_target({"kind": "llvm", "mcpu": "x86-64", "mattr": host_mattr("x86-64")})):
+        lib = tvm.compile(_scaled_add(), target=target)
+        out = tvm.runtime.tensor(np.zeros(64, "float32"))
+        lib["main"](tvm.runtime.tensor(x), out)
+        np.testing.assert_allclose(out.numpy(), 2 * x + 1)
+
+
+def _scaled_add() -> tvm.IRModule:
+    a = te.placeholder((64,), "float32", name="a")
+    b = te.compute((64,), lambda i: a[i] * 2.0 + 1.0, name="b")
+    return tvm.IRModule({"main": te.create_prim_func([a, b])})
 
 
 def test_training_rows_carry_the_cpu_that_measured_them(measurements, donor_dir):

@@ -40,7 +40,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.tirx import IndexMap
 
 from .graphopt import fold_constant_transforms
-from .target import cpu_isa, make_target
+from .target import make_target, target_isa
 
 log = logging.getLogger("ttrank")
 
@@ -57,9 +57,7 @@ def simd_lanes(target=None, dtype_bits: int = 32) -> int:
     The packed block follows it: on znver3 (AVX2), 128 MetaSchedule trials of ResNet-18's
     3x3 conv reached 1.79 ms in blocks of 8 against 2.69 ms in blocks of 16, and onnxruntime's
     own node took 2.1 ms (bench/results/kernel_gap_znver3.md)."""
-    t = target if target is not None else make_target()
-    attrs = t.attrs if hasattr(t, "attrs") else {}
-    isa = cpu_isa(str(attrs.get("mcpu", "") or ""), str(attrs.get("mtriple", "") or ""))
+    isa = target_isa(target if target is not None else make_target())
     bits = int(isa.get("vector_bits") or 256)
     return max(1, bits // dtype_bits)
 

@@ -74,11 +74,60 @@ def host_caches() -> dict[str, int]:
 _AMD_CPUS = ("znver", "bdver", "btver", "barcelona", "amdfam10", "athlon", "opteron", "k8")
 
 
+# LLVM's name of an x86 feature -> the flag Linux's /proc/cpuinfo gives it: the features that
+# decide which vector instructions compiled code may use
+X86_FEATURE_FLAGS = {
+    "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+    "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
+    "avx512cd": "avx512cd", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16",
+    "avxvnni": "avx_vnni", "amx-tile": "amx_tile", "amx-int8": "amx_int8", "amx-bf16": "amx_bf16",
+}
+
+
+@lru_cache(maxsize=1)
+def host_flags() -> frozenset[str]:
+    """The CPU flags Linux reports for this host (x86); empty where it names none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def host_mattr(mcpu: str, flags: frozenset[str] | None = None) -> list[str]:
+    """LLVM feature switches that make ``mcpu`` fit this x86 host's flags (``flags``: Linux's):
+    ``-f`` for a vector feature the name implies and the host lacks (a hypervisor can hide
+    AVX-512 behind a real CPU model, and code using it dies of SIGILL), ``+f`` for one the host
+    has and the name lacks (an LLVM older than the CPU names an older model, or "generic").
+    Empty where they agree, off x86, or where Linux names no flags."""
+    flags = host_flags() if flags is None else flags
+    if not flags or not host_triple().startswith(("x86_64", "i386", "i686")):
+        return []
+    named = _llvm_features(mcpu)
+    if named is None:  # a name this LLVM does not know: its features are the host's
+        named = set()
+    # AMX is never switched on: its tiles need the kernel's permission (arch_prctl) first
+    return ([f"-{f}" for f, flag in X86_FEATURE_FLAGS.items() if f in named and flag not in flags]
+            + [f"+{f}" for f, flag in X86_FEATURE_FLAGS.items()
+               if f not in named and flag in flags and not f.startswith("amx")])
+
+
 @lru_cache(maxsize=64)
-def cpu_isa(mcpu: str, triple: str = "") -> dict[str, float]:
-    """What LLVM knows of ``mcpu``'s instruction set: the widest float vector in bits, FMA,
-    AVX-512, VNNI, AMX and SVE, and the vendor. Empty for a CPU this LLVM does not know."""
-    return dict(_cpu_isa(mcpu, triple))  # a copy: callers may add to it
+def cpu_isa(mcpu: str, triple: str = "", mattr: tuple[str, ...] = ()) -> dict[str, float]:
+    """What LLVM knows of ``mcpu``'s instruction set (with the feature switches ``mattr``): the
+    widest float vector in bits, FMA, AVX-512, VNNI, AMX and SVE, and the vendor. Empty for a
+    CPU this LLVM does not know."""
+    return dict(_cpu_isa(mcpu, triple, tuple(mattr)))  # a copy: callers may add to it
+
+
+def target_isa(target) -> dict[str, float]:
+    """:func:`cpu_isa` of the CPU, triple and feature switches a TVM target names."""
+    attrs = target.attrs if hasattr(target, "attrs") else {}
+    return cpu_isa(str(attrs.get("mcpu", "") or ""), str(attrs.get("mtriple", "") or ""),
+                   tuple(str(a) for a in (attrs.get("mattr") or ())))
 
 
 def vector_class(mcpu: str, triple: str = "") -> tuple[float, float] | None:
@@ -90,19 +139,28 @@ def vector_class(mcpu: str, triple: str = "") -> tuple[float, float] | None:
 
 
 @lru_cache(maxsize=256)
-def _cpu_isa(mcpu: str, triple: str = "") -> dict[str, float]:
+def _llvm_features(mcpu: str, triple: str = "", mattr: tuple[str, ...] = ()) -> frozenset[str] | None:
+    """LLVM's features of ``mcpu`` (with ``mattr``); None for a name this LLVM does not know."""
     import tvm
     from tvm.target import codegen
 
     if not mcpu:
-        return {}
+        return None
     spec = {"kind": "llvm", **({"mtriple": triple} if triple else {})}
     try:
         # LLVM logs an error for a name it does not know: ask for its list first
         if mcpu not in {str(c) for c in codegen.llvm_get_cpu_archlist(tvm.target.Target(spec))}:
-            return {}
-        feats = {str(f) for f in codegen.llvm_get_cpu_features(tvm.target.Target({**spec, "mcpu": mcpu}))}
+            return None
+        t = tvm.target.Target({**spec, "mcpu": mcpu, **({"mattr": list(mattr)} if mattr else {})})
+        return frozenset(str(f) for f in codegen.llvm_get_cpu_features(t))
     except Exception:  # an unknown name, or an LLVM built without that architecture
+        return None
+
+
+@lru_cache(maxsize=256)
+def _cpu_isa(mcpu: str, triple: str = "", mattr: tuple[str, ...] = ()) -> dict[str, float]:
+    feats = _llvm_features(mcpu, triple, mattr)
+    if feats is None:
         return {}
     arm = triple.startswith(("aarch64", "arm")) or "neon" in feats
     bits = 512 if "avx512f" in feats else 256 if "avx" in feats else 128 if feats & {"sse2", "neon"} else 0
@@ -122,13 +180,16 @@ def cpu_description(prov: dict) -> dict[str, Any]:
     (rows written before caches were recorded have none)."""
     mcpu = prov.get("mcpu") or ""
     triple = prov.get("device_triple") or ""
-    if not triple and not prov.get("device_key"):
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            triple = json.loads(prov.get("target") or "{}").get("mtriple") or ""
+    mattr: tuple[str, ...] = ()
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        target = json.loads(prov.get("target") or "{}")
+        mattr = tuple(str(a) for a in target.get("mattr") or ())
+        if not triple and not prov.get("device_key"):
+            triple = target.get("mtriple") or ""
     # a row from another host names no triple: the CPU name tells which architecture it was
     isa = {}
     for t in dict.fromkeys([triple or host_triple(), "x86_64-linux-gnu", "aarch64-linux-gnu"]):
-        if isa := cpu_isa(mcpu, t):
+        if isa := cpu_isa(mcpu, t, mattr):
             break
     return {"mcpu": mcpu, **isa, "cores": prov.get("cores"), "threads": prov.get("threads"),
             **(prov.get("caches") or {})}
@@ -263,7 +324,11 @@ def machine_busy(threshold: float = 0.5) -> str | None:
 
 
 def host_target_dict() -> dict[str, Any]:
-    return {"kind": "llvm", "mcpu": host_mcpu(), "num-cores": host_cores()}
+    """This host's target: its CPU as LLVM names it, with the feature switches that make the
+    name fit what the CPU reports (:func:`host_mattr`), and its cores."""
+    mcpu = host_mcpu()
+    mattr = host_mattr(mcpu)
+    return {"kind": "llvm", "mcpu": mcpu, **({"mattr": mattr} if mattr else {}), "num-cores": host_cores()}
 
 
 def parse_target(spec: str | dict | None) -> dict[str, Any]:

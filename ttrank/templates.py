@@ -23,7 +23,7 @@ from .features import divisors
 from .kernels import Kernel
 from .ranking import Candidate
 from .layouts import simd_lanes
-from .target import cpu_isa, make_target
+from .target import make_target, target_isa
 
 TEMPLATE_NETWORK = "template"
 # vector registers a tile's loads need beside its accumulators (the weights' vectors, the
@@ -77,8 +77,7 @@ def accumulators(target, lanes: int) -> int:
     """How many ``lanes``-wide accumulators fit in ``target``'s vector registers beside
     :data:`SPARE_REGISTERS`: 32 registers with AVX-512 and on Arm, 16 with AVX2 (or a CPU this
     LLVM does not know); an accumulator wider than the registers takes several."""
-    attrs = target.attrs
-    isa = cpu_isa(str(attrs.get("mcpu", "") or ""), str(attrs.get("mtriple", "") or ""))
+    isa = target_isa(target)
     registers = 32 if isa.get("avx512") or isa.get("arm") else 16
     return max(1, (registers - SPARE_REGISTERS) // -(-lanes // simd_lanes(target)))
 
