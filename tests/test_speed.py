@@ -230,7 +230,11 @@ def test_recommend_reports_what_more_time_would_buy(trained, donor_dir, tiny_cnn
     assert curve[0]["estimated_ms"] == pytest.approx(
         1e3 * sum(k.weight * k.untuned_s for k in res.kernels), rel=1e-3)
     assert [p["seconds"] for p in curve] == sorted(p["seconds"] for p in curve)
-    assert all(b["estimated_ms"] <= a["estimated_ms"] for a, b in zip(curve, curve[1:]))
+    # it only falls while the kernels measure their own candidates; a kernel whose conv a heavier
+    # one shares counts that one's fastest until it measures it itself ("siblings", last)
+    own = [p for p in curve if p["phase"] != "siblings"]
+    assert all(b["estimated_ms"] <= a["estimated_ms"] for a, b in zip(own, own[1:]))
+    assert any(p["phase"] == "siblings" for p in curve)
     assert curve[-1]["measured"] == sum(len(k.measured) for k in res.kernels)
     assert curve[-1]["estimated_ms"] == pytest.approx(1e3 * sum(k.weight * k.best_s for k in res.kernels),
                                                       rel=1e-3)

@@ -344,15 +344,27 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
 
     lists(first)
     phases["transferring"] = round(time.time() - t, 2)
-    anytime = [_anytime_point("untuned", t_start, kernels, picks, {}, reports, 0)]
+    anytime = [_anytime_point("untuned", t_start, _best_so_far(kernels, picks, {}, reports), reports, 0)]
     fresh: dict[int, dict] = {}  # row by id(pick), of both phases
     counts = {"measured": 0, "left": 0}
 
-    def measure(ks: list[Kernel], budget: float | None, todo_picks: dict[str, list[Pick]] | None = None) -> None:
+    def tuned_so_far(rows: dict[int, dict] | None = None) -> dict[str, float | None]:
+        # each kernel's fastest known; a sibling none of whose picks is measured yet, its lead's
+        # (the same conv): siblings measure last, and their untuned time would hide the progress
+        rows = fresh if rows is None else rows
+        best = _best_so_far(kernels, picks, rows, reports)
+        for name, lead in leads.items():
+            measured = any(p.row is not None or id(p) in rows for p in picks.get(name) or [])
+            if not measured and best.get(lead.name) is not None:
+                best[name] = min(best[name] or math.inf, best[lead.name])
+        return best
+
+    def measure(ks: list[Kernel], budget: float | None, todo_picks: dict[str, list[Pick]] | None = None,
+                phase: str = "measuring") -> None:
         todo_picks = picks if todo_picks is None else todo_picks
 
         def on_batch(new: dict[int, dict], n: int) -> None:
-            anytime.append(_anytime_point("measuring", t_start, kernels, picks, {**fresh, **new}, reports,
+            anytime.append(_anytime_point(phase, t_start, tuned_so_far({**fresh, **new}), reports,
                                           counts["measured"] + n))
         todo = sum(1 for k in ks for p in todo_picks[k.name] or [] if p.row is None)
         new, left = _measure_picks(model.name, ks, todo_picks, shares, measurer, table, reports, stamp, budget,
@@ -363,14 +375,6 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
 
     def spent() -> bool:
         return budget_s is not None and time.time() - t0 > budget_s
-
-    def tuned_so_far() -> dict[str, float | None]:
-        # each kernel's fastest known; a sibling not measured yet, its lead's (the same conv)
-        best = _best_so_far(kernels, picks, fresh, reports)
-        for name, lead in leads.items():
-            if not picks.get(name) and best.get(lead.name) is not None:
-                best[name] = min(best[name] or math.inf, best[lead.name])
-        return best
 
     def late_picks(ks: list[Kernel]) -> None:
         # the shares that gave each kernel its k are of the untuned model, where a conv's default
@@ -441,7 +445,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
             orphans.append(k)
     lists(orphans)
     phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
-    measure(shared, None)
+    measure(shared, None, phase="siblings")
     measure(orphans, budget_s)
     late_picks(orphans)
     second_look(orphans)
@@ -637,13 +641,13 @@ def _estimate_ms(best_s: dict[str, float | None], reports: dict[str, KernelRepor
     return round(1e3 * sum(r.weight * (best_s.get(n) or r.untuned_s or 0.0) for n, r in reports.items()), 4)
 
 
-def _anytime_point(phase: str, t_start: float, kernels: list[Kernel], picks: dict[str, list[Pick] | None],
-                   fresh: dict[int, dict], reports: dict[str, KernelReport], measured: int) -> dict:
+def _anytime_point(phase: str, t_start: float, best_s: dict[str, float | None],
+                   reports: dict[str, KernelReport], measured: int) -> dict:
     """One point of the anytime curve: seconds since the run began, candidates measured so far,
-    and the model's estimated latency with the fastest correct schedule known per kernel (the
-    first point, "untuned", counts what earlier runs measured)."""
+    and the model's estimated latency with ``best_s``, the fastest correct latency known per
+    kernel (the first point, "untuned", counts what earlier runs measured)."""
     return {"seconds": round(time.time() - t_start, 2), "phase": phase, "measured": measured,
-            "estimated_ms": _estimate_ms(_best_so_far(kernels, picks, fresh, reports), reports)}
+            "estimated_ms": _estimate_ms(best_s, reports)}
 
 
 def _best_so_far(kernels: list[Kernel], picks: dict[str, list[Pick] | None], fresh: dict[int, dict],
