@@ -18,6 +18,7 @@ from joblib import Parallel, delayed
 from ttrank.donors import shipped_work_dirs
 from ttrank.measure import record_build_seconds
 from ttrank.target import host_cores, make_target, provenance
+from ttrank.util import orphan_safe
 from ttrank.workdir import BUILD_FILE, write_build_seconds
 
 
@@ -37,7 +38,7 @@ def main() -> int:
     todo = [d for d in dirs if args.force or not (d / BUILD_FILE).exists()]
     print(f"{len(todo)} of {len(dirs)} sets to measure", flush=True)
     for name, n, worst, wall in Parallel(n_jobs=host_cores(), return_as="generator_unordered")(
-            delayed(one)(d) for d in todo):
+            delayed(orphan_safe(one))(d) for d in todo):
         print(f"{name}: {n} records, slowest {worst:.2f} s ({wall:.0f} s)", flush=True)
     return 0
 
