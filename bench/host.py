@@ -126,7 +126,7 @@ def main() -> int:
                          "donors changed); the earlier results are kept under its 'earlier' list")
     args = ap.parse_args()
     tag = ("" if args.layout == "nchw" else f"@{args.layout}") + (f"+{args.label}" if args.label else "")
-    shipped, adapted_phase, adaptation = f"shipped{tag}", f"adapted{tag}", f"adaptation{tag}"
+    shipped, adapted_phase = f"shipped{tag}", f"adapted{tag}"
 
     mcpu = host_mcpu()
     work = Path(__file__).resolve().parent / "work" / "host" / mcpu

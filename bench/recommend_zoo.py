@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,8 +64,9 @@ def previous_of(old: dict | None) -> dict | None:
 
 def _phases(s: dict) -> str:
     """recommend's own split of its time (ranking, building and running candidates, tuning what
-    no donor covers, compiling)."""
-    keys = ("ranking", "measuring_build", "measuring_run", "tuning_missing", "compiling")
+    no donor covers, compiling, timing the model against onnxruntime; runs before that split
+    was reported show '-' for it)."""
+    keys = ("ranking", "measuring_build", "measuring_run", "tuning_missing", "compiling", "timing")
     return " / ".join("-" if s.get(k) is None else f"{s[k]:.0f}" for k in keys)
 
 
@@ -75,7 +75,7 @@ def write_table(results: dict) -> None:
              "Each row: `ttrank recommend zoo:NET --leave-one-out` with a fresh data dir; outputs checked "
              "against onnxruntime. Latencies are whole-model, measured by the run itself.", "",
              "| network | donor networks | kernels tuned | untuned ms | ttrank ms | speedup | onnxruntime ms "
-             "| ttrank / ORT | max abs error | recommend s | rank / build / run / tune / compile s "
+             "| ttrank / ORT | max abs error | recommend s | rank / build / run / tune / compile / time s "
              "| paused | threads |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for net in sorted(results):
@@ -99,8 +99,8 @@ def write_table(results: dict) -> None:
     if rerun:
         lines += ["", "## Before and after: rows rerun on newer code", "",
                   "Each phase in seconds, the earlier run's -> this run's (`rank / build / run / tune / "
-                  "compile`, as recommend reported them).", "",
-                  "| network | CPU | commit | recommend s | rank / build / run / tune / compile s | ttrank / ORT |",
+                  "compile / time`, as recommend reported them).", "",
+                  "| network | CPU | commit | recommend s | rank / build / run / tune / compile / time s | ttrank / ORT |",
                   "|---|---|---|---|---|---|"]
         for net, r in rerun.items():
             p = r["previous"]

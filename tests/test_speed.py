@@ -16,10 +16,11 @@ from ttrank import donors, frontend, ranking, util, zoo
 from ttrank.collect import Dataset
 from ttrank.coverage import plan_missing
 from ttrank.evaluate import policy_curve
+from ttrank.features import FEATURE_NAMES, vector
 from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, FixedK, native_candidate, policy_of, rank_kernel, shortlist
-from ttrank.target import vector_class
+from ttrank.target import cpu_description, provenance, vector_class
 from ttrank.transfer import transfer
 
 
@@ -189,6 +190,22 @@ def test_the_donor_store_loads_from_one_index(donor_dir, tmp_path, monkeypatch):
     assert set(again.features_of_records()) == {r.id for r in first.records()}
     # the workload's TIR is parsed only when a transfer asks for it
     assert str(again.workloads[0].module()) == str(first.workloads[0].module())
+
+
+def test_ranking_features_a_kernel_against_the_whole_store_as_pair_by_pair(donor_dir, tiny_cnn, target):
+    """Ranking computes a kernel's rows in one pass, reusing what several pairs share (the
+    target's part, a donor workload's, a loop's tiling, a CPU's): each row is still its pair's
+    features alone, as training computes them."""
+    store = donors.DonorStore.load([donor_dir])
+    cpu = cpu_description(provenance(target))
+    for kernel in extract(frontend.load(tiny_cnn).mod, target):
+        pairs = store.compatible(kernel)
+        if not pairs:
+            continue
+        rows = store.pair_rows(kernel, pairs, cpu)
+        alone = [vector(store.pair_features(kernel, w, r, cpu=cpu)) for w, r in pairs]
+        np.testing.assert_array_equal(rows, np.asarray(alone, dtype=np.float32))
+        assert rows.shape == (len(pairs), len(FEATURE_NAMES)) and not np.isnan(rows[:, :-16]).any()
 
 
 def test_the_store_index_follows_the_logs(donor_dir, tmp_path):

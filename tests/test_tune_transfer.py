@@ -421,6 +421,24 @@ def test_hanging_build_times_out_without_stopping_the_batch(tiny_cnn, target):
         m.close()
 
 
+def test_a_kernel_measured_here_is_linked_by_ld_and_runs_its_libm_calls(target, tmp_path, monkeypatch):
+    """Candidates loaded on this host are linked with ld itself (a tenth of the compiler
+    driver's time); their libm calls (exp) resolve from the process that loads them."""
+    import tvm
+    from tvm import te
+    from tvm.support import cc
+
+    a = te.placeholder((256,), name="A")
+    b = te.compute((256,), lambda i: te.exp(a[i]) * 2.0, name="B")
+    mod = tvm.IRModule({"main": te.create_prim_func([a, b])})
+    monkeypatch.setattr(cc, "create_shared", lambda *a, **k: pytest.fail("the compiler driver linked it"))
+    path = measure._build_export(mod, target, str(tmp_path), here=True)
+    x = np.linspace(-2, 2, 256, dtype="float32")
+    out = tvm.runtime.tensor(np.zeros(256, dtype="float32"))
+    tvm.runtime.load_module(path)["main"](tvm.runtime.tensor(x), out)
+    np.testing.assert_allclose(out.numpy(), 2 * np.exp(x), rtol=1e-5)
+
+
 def test_reduction_blocks_named_after_other_variables_are_matched():
     assert transfer.block_renames(["lv375_red", "T_divide"], ["lv85_red", "T_divide"]) == \
         {"lv375_red": "lv85_red"}

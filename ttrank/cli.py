@@ -535,7 +535,8 @@ def _print_report(con, res) -> None:
                   f"({lat['untuned'] / lat['tuned']:.1f}x), onnxruntime {lat['onnxruntime']:.2f} ms "
                   f"({res.provenance.get('threads')} threads each)")
     con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
-              f"compiling {s['compiling']:.1f} s, total {s['total']:.1f} s")
+              f"compiling {s['compiling']:.1f} s, timing against onnxruntime {s.get('timing', 0):.1f} s, "
+              f"total {s['total']:.1f} s")
     if res.anytime:  # the whole curve is in the JSON report
         first, last = res.anytime[0], res.anytime[-1]
         con.print(f"estimated model latency: {first['estimated_ms']:.2f} ms before measuring, "

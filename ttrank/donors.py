@@ -27,9 +27,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import locations
 from .errors import StoreError
-from .features import FEATURE_VERSION, donor_features, pair_features
+from .features import (FEATURE_NAMES, FEATURE_VERSION, PairFeaturizer, donor_features, donor_row,
+                       pair_features, tile_items)
 from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
@@ -252,6 +255,8 @@ class DonorStore:
         self._by_class: dict[str, list[DonorWorkload]] = defaultdict(list)
         # per record id, :func:`ttrank.features.donor_features` (the store index brings them)
         self._donor_features: dict[str, tuple] = dict(donor_features or {})
+        # per record id, for ranking: (parsed trace, d_ and s_ row, its tiles hashable)
+        self._donor_rows: dict[str, tuple] = {}
         self._build_seconds: dict[str, float] | None = None
         for w in workloads:
             self._by_anchor[w.kernel.anchor_op].append(w)
@@ -286,6 +291,23 @@ class DonorStore:
         return pair_features(target, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank,
                              donor_part=part, target_part=target_part, cpu=cpu,
                              donor_prov=r.provenance)
+
+    def pair_rows(self, target: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
+                  cpu: dict | None = None) -> np.ndarray:
+        """The feature rows of ``target`` paired with each of ``pairs`` (what :meth:`pair_features`
+        gives, in :data:`~ttrank.features.FEATURE_NAMES` order), each record's own part
+        computed once per store."""
+        fz = PairFeaturizer(target, cpu)
+        rows = []
+        for w, r in pairs:
+            part = self._donor_rows.get(r.id)
+            if part is None:
+                trace, df = self._donor_features.get(r.id) or donor_features(w.kernel, r.trace_json)
+                self._donor_features[r.id] = (trace, df)
+                part = self._donor_rows[r.id] = (trace, donor_row(df), tile_items(trace))
+            trace, ds, tiles = part
+            rows.append(fz.row(w.kernel, trace, ds, r.latency_s, w.best_s, r.rank, r.provenance, tiles))
+        return np.asarray(rows, dtype=np.float32).reshape(len(rows), len(FEATURE_NAMES))
 
     def build_seconds(self) -> dict[str, float]:
         """Each record's measured compile seconds, by trace hash, where its set has them."""

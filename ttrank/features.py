@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+import operator
+from typing import Any, NamedTuple
 
 from .kernels import Kernel
 
@@ -236,92 +237,137 @@ def schedule_features(trace: dict[str, Any], kinds: str) -> dict[str, float]:
     return f
 
 
-def adapted_features(target: Kernel, trace: dict[str, Any]) -> dict[str, float]:
-    """The donor's tiling as it will run on the target: each anchor loop's factors mapped onto the
-    target extent the way the transfer does it (:func:`adapt_tiles`)."""
-    f = {f"a_tile{j}_{lv}": 0.0 for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)}
-    kinds = target.iter_kinds
-    par = par2 = reg_s = reg_r = l1_s = 1
-    vec, ones = 0, 0
-    last_s = max((j for j in range(len(kinds)) if kinds[j] == "S"), default=None)
-    for j, fac in trace["tiles"].items():
-        if j >= len(target.extents):
-            continue
-        new = adapt_tiles(fac, target.extents[j])
-        if j < MAX_LOOPS:
-            for lv in range(min(len(new), MAX_LEVELS)):
-                f[f"a_tile{j}_{lv}"] = _l2(new[lv])
-        if kinds[j] == "R":
-            reg_r *= new[-1]
-            continue
-        par *= new[0]
-        par2 *= new[0] * (new[1] if len(new) > 2 else 1)
-        reg_s *= new[-1]
-        l1_s *= math.prod(new[2:]) if len(new) > 2 else new[-1]
-        ones += int(len(new) > 1 and all(x == 1 for x in new[1:]))
-        if j == last_s:
-            vec = new[-1]
-    f.update({"a_parallel_chunks": _l2(par), "a_outer2_chunks": _l2(par2), "a_reg_spatial": _l2(reg_s),
-              "a_reg_reduce": _l2(reg_r), "a_l1_spatial": _l2(l1_s),
-              # fp32 accumulators of the register tile: past the register file they spill
-              "a_acc_bytes": _l2(reg_s * 4), "a_vec_extent": _l2(vec),
-              "a_vec_mult16": float(vec > 0 and vec % 16 == 0), "a_vec_mult8": float(vec > 0 and vec % 8 == 0),
-              "a_inner_ones": ones})
-    return f
+_A_TILES = [f"a_tile{j}_{lv}" for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)]
+class _Loop(NamedTuple):
+    """What one donor loop's tiling becomes on one target extent (:class:`PairFeaturizer`)."""
+
+    logs: tuple[float, ...]  # log2 of the adapted factors, up to MAX_LEVELS
+    reduce: bool
+    new: tuple[int, ...]
+    ones: int  # every inner factor 1
+    divisible: int  # the donor's inner tiles divide the extent
+    changed: int
+    inner_change: float
+    waste: float
 
 
-def relation_features(target: Kernel, donor: Kernel, trace: dict[str, Any], donor_latency_s: float,
-                      donor_best_s: float, rank: int) -> dict[str, float]:
-    f = {}
-    ratios = []
-    for j in range(MAX_LOOPS):
-        if j < len(target.extents) and j < len(donor.extents):
-            r = _l2(target.extents[j]) - _l2(donor.extents[j])
-        else:
-            r = 0.0
-        f[f"r_ratio{j}"] = r
-        ratios.append(abs(r))
-    divisible = changed = 0
-    inner_change = 0.0
-    waste = 0.0
-    tiles = trace["tiles"]
-    for j, fac in tiles.items():
-        if j >= len(target.extents):
-            continue
-        e = target.extents[j]
-        inner = math.prod(fac[1:]) if len(fac) > 1 else 1
-        divisible += int(e % inner == 0)
-        new = adapt_tiles(fac, e)
-        if new != fac:
-            changed += 1
-            inner_change += sum(abs(_l2(a) - _l2(b)) for a, b in zip(new[1:], fac[1:]))
-        # keeping the donor's inner tiles and padding the extent up to a multiple of them
-        waste += _l2(math.ceil(e / inner) * inner / e) if e else 0.0
-    par_fit = 0.0
-    if trace["parallel"] and target.extents:
-        spatial = math.prod(e for e, k in zip(target.extents, target.iter_kinds) if k == "S")
-        par_fit = _l2(spatial) - _l2(trace["parallel"])
-    inner_fit = 0.0
-    if tiles and target.extents:
-        last = max(j for j in range(len(target.iter_kinds)) if target.iter_kinds[j] == "S")
-        if last in tiles:
-            inner_fit = float(target.extents[last] % tiles[last][-1] == 0)
-    te, de = set(target.epilogue), set(donor.epilogue)
-    jac = len(te & de) / len(te | de) if te | de else 1.0
-    gflops = donor.flops / donor_latency_s / 1e9 if donor_latency_s > 0 else 0.0
-    f.update({
-        "r_ratio_l1": sum(ratios), "r_same_shape": float(list(target.extents) == list(donor.extents)),
-        "r_divisible_loops": divisible, "r_tiles_changed": changed, "r_inner_change": inner_change,
-        "r_pad_waste": waste, "r_parallel_fit": par_fit, "r_inner_fit": inner_fit,
-        "r_same_class": float(target.workload_class == donor.workload_class),
-        "r_epilogue_jaccard": jac, "r_epilogue_len_diff": len(target.epilogue) - len(donor.epilogue),
-        "r_flops_ratio": _l2(target.flops) - _l2(donor.flops),
-        "r_donor_gflops": gflops, "r_donor_rank": rank,
-        "r_donor_rel_latency": donor_latency_s / donor_best_s if donor_best_s > 0 else 1.0,
-        # the donor's throughput carried over to the target's work: a naive latency guess
-        "r_donor_pred_s": _l2(target.flops / (gflops * 1e9) * 1e6) if gflops > 0 else 0.0,
-    })
-    return f
+@functools.lru_cache(maxsize=1 << 18)
+def _adapted_loop(fac: tuple[int, ...], e: int, reduce: bool) -> _Loop:
+    """A donor loop's tiling ``fac`` on a target extent ``e`` (:func:`adapt_tiles`), and what
+    the features read of it. Ranking meets the same few hundred thousand pairs again and again."""
+    new = _adapt_tiles(fac, e)
+    inner = math.prod(fac[1:]) if len(fac) > 1 else 1
+    changed = new != fac
+    return _Loop(tuple(_l2(x) for x in new[:MAX_LEVELS]), reduce, new,
+                 int(len(new) > 1 and all(x == 1 for x in new[1:])), int(e % inner == 0), int(changed),
+                 sum(abs(_l2(a) - _l2(b)) for a, b in zip(new[1:], fac[1:])) if changed else 0.0,
+                 # keeping the donor's inner tiles and padding the extent up to a multiple of them
+                 _l2(math.ceil(e / inner) * inner / e) if e else 0.0)
+
+
+class PairFeaturizer:
+    """The features of one target kernel paired with donor records, on one CPU.
+
+    Ranking pairs a kernel with tens of thousands of records: what depends on the kernel alone,
+    on the kernel and one donor workload, or on the kernel and one loop's tiling is computed
+    once and reused (most records share their loops' tilings). ``target_part``:
+    ``workload_features(target, "t")``, if cached; ``cpu``: see :func:`cpu_features`."""
+
+    def __init__(self, target: Kernel, cpu: dict[str, Any] | None = None,
+                 target_part: dict[str, float] | None = None) -> None:
+        self.target, self.cpu = target, cpu
+        self.t_row = [float(x) for x in _T_NAMES(target_part or workload_features(target, "t"))]
+        kinds, ext = target.iter_kinds, list(target.extents)
+        self._last_s = max((j for j in range(len(kinds)) if kinds[j] == "S"), default=None)
+        spatial = math.prod(e for e, k in zip(ext, kinds) if k == "S")
+        self._l2_spatial = _l2(spatial)
+        self._workloads: dict[int, list[float]] = {}
+        self._cpus: dict[tuple | None, list[float]] = {}
+
+    def _workload(self, donor: Kernel) -> list[float]:
+        """The ``r_`` features of the two workloads: r_ratio0.. and r_ratio_l1, r_same_shape;
+        then r_same_class, r_epilogue_jaccard, r_epilogue_len_diff, r_flops_ratio."""
+        got = self._workloads.get(id(donor))
+        if got is None:
+            t = self.target
+            ratios = [(_l2(t.extents[j]) - _l2(donor.extents[j])) if j < len(t.extents) and j < len(donor.extents)
+                      else 0.0 for j in range(MAX_LOOPS)]
+            te, de = set(t.epilogue), set(donor.epilogue)
+            got = self._workloads[id(donor)] = [
+                *ratios, sum(abs(r) for r in ratios), float(list(t.extents) == list(donor.extents)),
+                float(t.workload_class == donor.workload_class),
+                len(te & de) / len(te | de) if te | de else 1.0, len(t.epilogue) - len(donor.epilogue),
+                _l2(t.flops) - _l2(donor.flops)]
+        return got
+
+    def _cpu(self, prov: dict[str, Any] | None) -> list[float]:
+        key = (prov.get("mcpu"), prov.get("threads")) if prov else None  # what cpu_features reads of it
+        got = self._cpus.get(key)
+        if got is None:
+            f = cpu_features(self.cpu, prov, 0.0)
+            got = self._cpus[key] = [f[n] for n in CPU_NAMES]
+        return got
+
+    def row(self, donor: Kernel, trace: dict[str, Any], ds_row: list[float], donor_latency_s: float,
+            donor_best_s: float, rank: int, donor_prov: dict[str, Any] | None = None,
+            tiles: tuple[tuple[int, tuple[int, ...]], ...] | None = None) -> list[float]:
+        """One candidate's features in :data:`FEATURE_NAMES` order. ``trace``: the donor
+        record's :func:`parse_trace`; ``ds_row``: its ``d_`` and ``s_`` features in order
+        (:func:`donor_row`); ``tiles``: :func:`tile_items` of the trace, if cached."""
+        n_ext = len(self.target.extents)
+        a_tiles = [0.0] * (MAX_LOOPS * MAX_LEVELS)
+        par = par2 = reg_s = reg_r = l1_s = 1
+        vec = ones = divisible = changed = 0
+        inner_change = waste = 0.0
+        for j, fac in tiles if tiles is not None else tile_items(trace):
+            if j >= n_ext:
+                continue
+            lp = _adapted_loop(fac, self.target.extents[j], self.target.iter_kinds[j] == "R")
+            if j < MAX_LOOPS:
+                a_tiles[j * MAX_LEVELS:j * MAX_LEVELS + len(lp.logs)] = lp.logs
+            divisible += lp.divisible
+            changed += lp.changed
+            inner_change += lp.inner_change
+            waste += lp.waste
+            new = lp.new
+            if lp.reduce:
+                reg_r *= new[-1]
+                continue
+            par *= new[0]
+            par2 *= new[0] * (new[1] if len(new) > 2 else 1)
+            reg_s *= new[-1]
+            l1_s *= math.prod(new[2:]) if len(new) > 2 else new[-1]
+            ones += lp.ones
+            if j == self._last_s:
+                vec = new[-1]
+        vec_l2 = _l2(vec)
+        a_rest = [_l2(par), _l2(par2), _l2(reg_s), _l2(reg_r), _l2(l1_s),
+                  # fp32 accumulators of the register tile: past the register file they spill
+                  _l2(reg_s * 4), vec_l2, float(vec > 0 and vec % 16 == 0), float(vec > 0 and vec % 8 == 0),
+                  ones]
+        par_fit = 0.0
+        if trace["parallel"] and n_ext:
+            par_fit = self._l2_spatial - _l2(trace["parallel"])
+        inner_fit = 0.0
+        tile_of = trace["tiles"]
+        if tile_of and n_ext and self._last_s in tile_of:
+            inner_fit = float(self.target.extents[self._last_s] % tile_of[self._last_s][-1] == 0)
+        w = self._workload(donor)
+        gflops = donor.flops / donor_latency_s / 1e9 if donor_latency_s > 0 else 0.0
+        r_rest = [*w[MAX_LOOPS:MAX_LOOPS + 2], divisible, changed, inner_change, waste, par_fit, inner_fit,
+                  *w[MAX_LOOPS + 2:], gflops, rank,
+                  donor_latency_s / donor_best_s if donor_best_s > 0 else 1.0,
+                  # the donor's throughput carried over to the target's work: a naive latency guess
+                  _l2(self.target.flops / (gflops * 1e9) * 1e6) if gflops > 0 else 0.0]
+        c = self._cpu(donor_prov)
+        if not math.isnan(c[-1]):  # log2 of the vectorised loop in vectors of this CPU
+            c = [*c[:-1], c[-1] + vec_l2]
+        return [*self.t_row, *ds_row, *a_tiles, *a_rest, *w[:MAX_LOOPS], *r_rest, *c]
+
+
+def tile_items(trace: dict[str, Any]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A parsed trace's anchor tiles as (loop, factors) pairs, hashable."""
+    return tuple((j, tuple(fac)) for j, fac in trace["tiles"].items())
 
 
 def donor_features(donor: Kernel, trace_json: Any) -> tuple[dict[str, Any], dict[str, float]]:
@@ -369,14 +415,21 @@ def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_
                   donor_prov: dict[str, Any] | None = None) -> dict[str, float]:
     """All features of one candidate, keyed by :data:`FEATURE_NAMES`. ``donor_part`` is
     :func:`donor_features` and ``target_part`` ``workload_features(target, "t")``, if cached;
-    ``cpu`` and ``donor_prov``: see :func:`cpu_features`."""
+    ``cpu`` and ``donor_prov``: see :func:`cpu_features`. Many pairs of one kernel:
+    :class:`PairFeaturizer`."""
     trace, df = donor_part or donor_features(donor, trace_json)
-    f = dict(target_part or workload_features(target, "t"))
-    f.update(df)
-    f.update(adapted_features(target, trace))
-    f.update(relation_features(target, donor, trace, donor_latency_s, donor_best_s, rank))
-    f.update(cpu_features(cpu, donor_prov, f["a_vec_extent"]))
-    return f
+    row = PairFeaturizer(target, cpu, target_part).row(donor, trace, donor_row(df), donor_latency_s,
+                                                       donor_best_s, rank, donor_prov)
+    return dict(zip(FEATURE_NAMES, row))
+
+
+_T_NAMES = operator.itemgetter(*(n for n in FEATURE_NAMES if n.startswith("t_")))
+_DS_NAMES = operator.itemgetter(*(n for n in FEATURE_NAMES if n.startswith(("d_", "s_"))))
+
+
+def donor_row(donor_part: dict[str, float]) -> list[float]:
+    """The ``d_`` and ``s_`` features of :func:`donor_features` in :data:`FEATURE_NAMES` order."""
+    return [float(x) for x in _DS_NAMES(donor_part)]
 
 
 def vector(f: dict[str, float]) -> list[float]:

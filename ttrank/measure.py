@@ -6,8 +6,11 @@ objects serve ``ttrank tune`` (inside MetaSchedule's search) and candidate measu
 
 from __future__ import annotations
 
+import _ctypes
 import atexit
 import contextlib
+import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -117,7 +120,7 @@ class Built(NamedTuple):
     build_s: float | None = None  # the worker's seconds for it: compile, export, output check
 
 
-def _build_export(mod, target, artifact_dir: str, keep: bool = False) -> str:
+def _build_export(mod, target, artifact_dir: str, keep: bool = False, here: bool = False) -> str:
     """Build a scheduled PrimFunc module and export it (runs in a pool worker).
 
     Unlike MetaSchedule's default_build this does not import tvm.s_tir.tensor_intrin, which
@@ -134,7 +137,7 @@ def _build_export(mod, target, artifact_dir: str, keep: bool = False) -> str:
         time.sleep(float(hang))
     stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     key = object_key(mod, target) if keep and _same_program(stripped, mod) else None
-    return _export(tvm.compile(stripped, target=target), artifact_dir, target, key)
+    return _export(tvm.compile(stripped, target=target), artifact_dir, target, key, here)
 
 
 # The object files of the kernels built for measuring, under a build pool's artifact_dir, by
@@ -162,16 +165,55 @@ def object_key(mod, target) -> str | None:
         str(target).encode()).hexdigest()[:12]
 
 
-def _export(rt_mod, artifact_dir: str, target=None, key: str | None = None) -> str:
+def _ld_link(output: str, objects: list[str], options=None, cc=None) -> None:
+    """Link a kernel's object files into a shared library with ``ld`` itself, for loading in
+    this host's Python processes: 3 ms, where TVM's ``g++ -shared`` takes 26 ms of a candidate's
+    270 ms build. Bound now (``-z now``), so a symbol the process cannot give fails the load
+    check below, not a later call; its libc and libm calls resolve from the process's own
+    (Python's), its compiler helpers come from libgcc.a. Anything else, or a failure, goes to
+    TVM's own linker."""
+    from tvm.support import cc as tvm_cc
+
+    libgcc = _libgcc()
+    if options or not libgcc or not all(str(o).endswith(".o") for o in objects):
+        return tvm_cc.create_shared(output, objects, options=options, cc=cc)
+    done = subprocess.run(["ld", "-shared", "-z", "now", "-o", output, *map(str, objects), libgcc],
+                          capture_output=True)
+    try:
+        if done.returncode != 0:
+            raise OSError(done.stderr.decode(errors="replace")[-300:])
+        # every symbol resolves here, or this raises; then unloaded (workers link thousands)
+        _ctypes.dlclose(ctypes.CDLL(output, mode=os.RTLD_LOCAL | os.RTLD_NOW)._handle)
+    except OSError as e:
+        log.debug("ld could not link %s (%s): linking with TVM's compiler driver", output, e)
+        tvm_cc.create_shared(output, objects, options=options, cc=cc)
+
+
+_ld_link.output_format = "so"  # what TVM reads of an fcompile
+
+
+@functools.cache
+def _libgcc() -> str | None:
+    """libgcc.a's path (gcc's compiler helpers), when ``ld`` and ``gcc`` are both there."""
+    if shutil.which("ld") is None or shutil.which("gcc") is None:
+        return None
+    done = subprocess.run(["gcc", "-print-libgcc-file-name"], capture_output=True, text=True)
+    path = done.stdout.strip()
+    return path if done.returncode == 0 and os.path.isfile(path) else None
+
+
+def _export(rt_mod, artifact_dir: str, target=None, key: str | None = None, here: bool = False) -> str:
     """Export a built kernel into a folder of its own; with ``key``, its object file is kept
-    under ``OBJECTS`` by that key (host targets only: the model's compile links it)."""
+    under ``OBJECTS`` by that key (host targets only: the model's compile links it). ``here``:
+    it will be loaded on this host only (:func:`_ld_link`)."""
     # one folder per artifact: MetaSchedule's RemoveBuildArtifact removes the artifact's folder
     os.makedirs(artifact_dir, exist_ok=True)
     folder = tempfile.mkdtemp(dir=artifact_dir)
     path = os.path.join(folder, "kernel.so")
-    keep = key is not None and cross_compiler(target) is None
+    foreign = cross_compiler(target)
+    keep = key is not None and foreign is None
     # export_library writes the object (lib0.o) into its workspace: here, when it is kept
-    rt_mod.export_library(path, fcompile=cross_compiler(target),  # another architecture: its linker
+    rt_mod.export_library(path, fcompile=foreign or (_ld_link if here else None),  # another architecture: its linker
                           workspace_dir=folder if keep else None)
     if keep:
         kept = os.path.join(artifact_dir, OBJECTS, f"{key}.o")
@@ -311,7 +353,7 @@ def _build_reference_export(mod, target, artifact_dir: str, ref_key: str) -> Bui
     once for both, not once more by the first candidate's check."""
     import tvm
 
-    path = _build_export(mod, target, artifact_dir, keep=True)
+    path = _build_export(mod, target, artifact_dir, keep=True, here=True)
     _, _, secs = _reference(mod, ref_key, os.path.join(artifact_dir, "references"),
                             built=tvm.runtime.load_module(path))
     return Built(path, secs)
@@ -336,7 +378,8 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     if run_here:
         stripped = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
         if _same_program(stripped, mod):
-            path = _export(tvm.compile(mod, target=target), artifact_dir, target, object_key(mod, target))
+            path = _export(tvm.compile(mod, target=target), artifact_dir, target, object_key(mod, target),
+                           here=True)
             wrong, secs = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol,
                                          built=tvm.runtime.load_module(path))
             if wrong is not None:
@@ -348,7 +391,7 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     wrong, _ = _check_against(mod, ref_mod, ref_key, refs_dir, rtol, atol)
     if wrong is not None:
         return None, wrong
-    return Built(_build_export(mod, target, artifact_dir)), None
+    return Built(_build_export(mod, target, artifact_dir, here=run_here)), None
 
 
 def _compile_object(mod, target, path: str) -> str:

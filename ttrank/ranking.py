@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .donors import DonorRecord, DonorStore, DonorWorkload
-from .features import vector, workload_features
+from .features import FEATURE_NAMES
 from .kernels import Kernel
 from .programs import WIDTH, CostModel, Featurizer, blend, cost_model_without, default_cost_model
 from .ranker import Ranker
@@ -35,9 +35,14 @@ class Candidate:
     donor: DonorWorkload
     record: DonorRecord
     score: float  # the ranker's
-    features: dict | None = field(default=None, repr=False)
+    row: np.ndarray | None = field(default=None, repr=False)  # its features, as the ranker read them
     cost_score: float | None = None  # the program cost model's (second stage, shortlist only)
     cost_scored: bool = False  # the second stage scored it (cost_score None: its transfer failed)
+
+    @property
+    def features(self) -> dict[str, float] | None:
+        """The ranker's features of the pair, by name."""
+        return None if self.row is None else dict(zip(FEATURE_NAMES, map(float, self.row)))
 
 
 @dataclass
@@ -78,10 +83,9 @@ def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
     pairs = store.compatible(kernel, set(exclude_networks))
     if not pairs:
         return []
-    tf = workload_features(kernel, "t")
-    feats = [store.pair_features(kernel, w, r, tf, cpu) for w, r in pairs]
-    scores = ranker.predict(np.asarray([vector(f) for f in feats], dtype=np.float32))
-    cands = [Candidate(kernel, w, r, float(s), f) for (w, r), s, f in zip(pairs, scores, feats)]
+    rows = store.pair_rows(kernel, pairs, cpu)
+    scores = ranker.predict(rows)
+    cands = [Candidate(kernel, w, r, float(s), x) for (w, r), s, x in zip(pairs, scores, rows)]
     cands.sort(key=lambda c: -c.score)
     # a donor that tuned this very kernel (or its anchor op, under another epilogue) on this CPU
     # with these threads has measured it here: that outranks any prediction. ResNet-50's
