@@ -237,7 +237,6 @@ def schedule_features(trace: dict[str, Any], kinds: str) -> dict[str, float]:
     return f
 
 
-_A_TILES = [f"a_tile{j}_{lv}" for j in range(MAX_LOOPS) for lv in range(MAX_LEVELS)]
 class _Loop(NamedTuple):
     """What one donor loop's tiling becomes on one target extent (:class:`PairFeaturizer`)."""
 

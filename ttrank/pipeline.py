@@ -186,9 +186,11 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         raise TTRankError("the donor store is empty: no donor schedules under datasets/donors/ "
                           "or added with `ttrank donors add DIR`")
     ranker = ranker if ranker is not None else Ranker.load()
-    # the store, the ranker and TVM are a million objects that live as long as the run: frozen,
-    # the collector stops rescanning them (8 full collections and 4.8 s of ResNet-18's run)
-    gc.freeze()
+    # the store, the ranker and TVM are a million objects that live as long as the process:
+    # frozen, the collector stops rescanning them (8 full collections and 4.8 s of ResNet-18's
+    # run). Once per process: a later run's garbage is the collector's again
+    if not gc.get_freeze_count():
+        gc.freeze()
     exclude_networks = set(exclude_networks)
     t_refit = 0.0
     if leave_one_out:
