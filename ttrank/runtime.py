@@ -208,7 +208,6 @@ class CompiledModel:
                                    min_repeat_ms=min_repeat_ms)
         return 1e3 * min(min(f("main").results), first)
 
-
     def timer(self, feed: dict[str, np.ndarray], min_repeat_ms: int = 200) -> Callable[[], float]:
         """A function that times one round (ms): the mean of back-to-back runs over at least
         ``min_repeat_ms`` (one run of a slower model). The inputs are set, and the model run
