@@ -31,8 +31,7 @@ import numpy as np
 
 from . import locations
 from .errors import StoreError
-from .features import (FEATURE_NAMES, FEATURE_VERSION, PairFeaturizer, donor_features, donor_row,
-                       pair_features, tile_items)
+from .features import FEATURE_NAMES, FEATURE_VERSION, PairFeaturizer, donor_features, donor_row, tile_items
 from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
@@ -282,21 +281,16 @@ class DonorStore:
         return self._donor_features
 
     def pair_features(self, target: Kernel, w: DonorWorkload, r: DonorRecord,
-                      target_part: dict | None = None, cpu: dict | None = None) -> dict[str, float]:
-        """:func:`ttrank.features.pair_features`, with the record's own part computed once;
-        ``cpu``: :func:`ttrank.target.cpu_description` of the CPU that will run it."""
-        part = self._donor_features.get(r.id)
-        if part is None:
-            part = self._donor_features[r.id] = donor_features(w.kernel, r.trace_json)
-        return pair_features(target, w.kernel, r.trace_json, r.latency_s, w.best_s, r.rank,
-                             donor_part=part, target_part=target_part, cpu=cpu,
-                             donor_prov=r.provenance)
+                      cpu: dict | None = None) -> dict[str, float]:
+        """The features of one pair by name (:meth:`pair_rows`); ``cpu``:
+        :func:`ttrank.target.cpu_description` of the CPU that will run it."""
+        return dict(zip(FEATURE_NAMES, map(float, self.pair_rows(target, [(w, r)], cpu)[0])))
 
     def pair_rows(self, target: Kernel, pairs: list[tuple[DonorWorkload, DonorRecord]],
                   cpu: dict | None = None) -> np.ndarray:
-        """The feature rows of ``target`` paired with each of ``pairs`` (what :meth:`pair_features`
-        gives, in :data:`~ttrank.features.FEATURE_NAMES` order), each record's own part
-        computed once per store."""
+        """The feature rows of ``target`` paired with each of ``pairs``, in
+        :data:`~ttrank.features.FEATURE_NAMES` order (what the ranker reads); each record's own
+        part is computed once per store."""
         fz = PairFeaturizer(target, cpu)
         rows = []
         for w, r in pairs:

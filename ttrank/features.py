@@ -269,13 +269,12 @@ class PairFeaturizer:
 
     Ranking pairs a kernel with tens of thousands of records: what depends on the kernel alone,
     on the kernel and one donor workload, or on the kernel and one loop's tiling is computed
-    once and reused (most records share their loops' tilings). ``target_part``:
-    ``workload_features(target, "t")``, if cached; ``cpu``: see :func:`cpu_features`."""
+    once and reused (most records share their loops' tilings). ``cpu``: see
+    :func:`cpu_features`. :meth:`ttrank.donors.DonorStore.pair_rows` drives it."""
 
-    def __init__(self, target: Kernel, cpu: dict[str, Any] | None = None,
-                 target_part: dict[str, float] | None = None) -> None:
+    def __init__(self, target: Kernel, cpu: dict[str, Any] | None = None) -> None:
         self.target, self.cpu = target, cpu
-        self.t_row = [float(x) for x in _T_NAMES(target_part or workload_features(target, "t"))]
+        self.t_row = [float(x) for x in _T_NAMES(workload_features(target, "t"))]
         kinds, ext = target.iter_kinds, list(target.extents)
         self._last_s = max((j for j in range(len(kinds)) if kinds[j] == "S"), default=None)
         spatial = math.prod(e for e, k in zip(ext, kinds) if k == "S")
@@ -308,17 +307,17 @@ class PairFeaturizer:
         return got
 
     def row(self, donor: Kernel, trace: dict[str, Any], ds_row: list[float], donor_latency_s: float,
-            donor_best_s: float, rank: int, donor_prov: dict[str, Any] | None = None,
-            tiles: tuple[tuple[int, tuple[int, ...]], ...] | None = None) -> list[float]:
+            donor_best_s: float, rank: int, donor_prov: dict[str, Any] | None,
+            tiles: tuple[tuple[int, tuple[int, ...]], ...]) -> list[float]:
         """One candidate's features in :data:`FEATURE_NAMES` order. ``trace``: the donor
         record's :func:`parse_trace`; ``ds_row``: its ``d_`` and ``s_`` features in order
-        (:func:`donor_row`); ``tiles``: :func:`tile_items` of the trace, if cached."""
+        (:func:`donor_row`); ``tiles``: :func:`tile_items` of the trace."""
         n_ext = len(self.target.extents)
         a_tiles = [0.0] * (MAX_LOOPS * MAX_LEVELS)
         par = par2 = reg_s = reg_r = l1_s = 1
         vec = ones = divisible = changed = 0
         inner_change = waste = 0.0
-        for j, fac in tiles if tiles is not None else tile_items(trace):
+        for j, fac in tiles:
             if j >= n_ext:
                 continue
             lp = _adapted_loop(fac, self.target.extents[j], self.target.iter_kinds[j] == "R")
@@ -405,21 +404,6 @@ def cpu_features(cpu: dict[str, Any] | None, donor_prov: dict[str, Any] | None,
     # log2 of the vectorised loop in vectors of this CPU: 0 fills one exactly
     f["c_vec_lanes"] = vec_extent - _l2(lanes) if lanes else math.nan
     return f
-
-
-def pair_features(target: Kernel, donor: Kernel, trace_json: Any, donor_latency_s: float,
-                  donor_best_s: float, rank: int,
-                  donor_part: tuple[dict[str, Any], dict[str, float]] | None = None,
-                  target_part: dict[str, float] | None = None, cpu: dict[str, Any] | None = None,
-                  donor_prov: dict[str, Any] | None = None) -> dict[str, float]:
-    """All features of one candidate, keyed by :data:`FEATURE_NAMES`. ``donor_part`` is
-    :func:`donor_features` and ``target_part`` ``workload_features(target, "t")``, if cached;
-    ``cpu`` and ``donor_prov``: see :func:`cpu_features`. Many pairs of one kernel:
-    :class:`PairFeaturizer`."""
-    trace, df = donor_part or donor_features(donor, trace_json)
-    row = PairFeaturizer(target, cpu, target_part).row(donor, trace, donor_row(df), donor_latency_s,
-                                                       donor_best_s, rank, donor_prov)
-    return dict(zip(FEATURE_NAMES, row))
 
 
 _T_NAMES = operator.itemgetter(*(n for n in FEATURE_NAMES if n.startswith("t_")))

@@ -241,22 +241,16 @@ def onnxruntime_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> li
     return onnxruntime_session(model).run(None, feed)
 
 
-def _ort_time_ms(sess, feed: dict[str, np.ndarray], repeat: int, min_repeat_ms: int, warm: bool = True) -> float:
-    """Minimum over repeats of the mean latency (ms) of an onnxruntime session (``warm``: run
-    it once first)."""
-    if warm:
+def _ort_round_ms(sess, feed: dict[str, np.ndarray], min_repeat_ms: int) -> float:
+    """One round of an onnxruntime session (ms): the mean of back-to-back runs over at least
+    ``min_repeat_ms``, as :meth:`CompiledModel.timer` times one."""
+    n, t0 = 0, time.perf_counter()
+    while True:
         sess.run(None, feed)
-    best = float("inf")
-    for _ in range(repeat):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            sess.run(None, feed)
-            n += 1
-            el = time.perf_counter() - t0
-            if el * 1e3 >= min_repeat_ms:
-                break
-        best = min(best, el / n)
-    return best * 1e3
+        n += 1
+        el = time.perf_counter() - t0
+        if el * 1e3 >= min_repeat_ms:
+            return 1e3 * el / n
 
 
 @dataclass
@@ -370,7 +364,7 @@ def alternate_ms(model: LoadedModel, built: dict[str, CompiledModel], rounds: in
         for label, timed in timers.items():
             keep(label, timed(), r)
         if sess is not None:
-            keep("onnxruntime", _ort_time_ms(sess, feed, 1, min_repeat_ms, warm=False), r)
+            keep("onnxruntime", _ort_round_ms(sess, feed, min_repeat_ms), r)
     return best
 
 
