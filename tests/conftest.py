@@ -91,6 +91,39 @@ def paddle_style_model(path: Path) -> Path:
     return path
 
 
+def channel_split_model(path: Path) -> Path:
+    """ShuffleNet's channel split as torch.onnx's legacy exporter writes ``x.chunk(2, dim=1)``:
+    Slice bounds computed from Shape -> Gather -> Div, which TVM imports as dynamic slices."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.2, (8, 3, 3, 3)).astype(np.float32), "w")
+    w2 = numpy_helper.from_array(rng.normal(0, 0.2, (4, 4, 1, 1)).astype(np.float32), "w2")
+    consts = {"one": [1], "two": [2], "zero": [0], "big": [2 ** 62]}
+    inits = [w, w2, *(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items())]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Shape", ["c"], ["s"]),
+        helper.make_node("Gather", ["s", "one"], ["ch"], axis=0),
+        helper.make_node("Div", ["ch", "two"], ["half"]),
+        helper.make_node("Slice", ["c", "zero", "half", "one"], ["left"]),
+        helper.make_node("Slice", ["c", "half", "big", "one"], ["right"]),
+        helper.make_node("Conv", ["right", "w2"], ["rc"]),
+        helper.make_node("Relu", ["rc"], ["rr"]),
+        helper.make_node("Concat", ["left", "rr"], ["y"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "channel_split", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def channel_split(model_dir) -> Path:
+    return channel_split_model(model_dir / "channel_split.onnx")
+
+
 @pytest.fixture(scope="session")
 def paddle_style(model_dir) -> Path:
     return paddle_style_model(model_dir / "paddle_style.onnx")

@@ -167,6 +167,19 @@ def test_dynamic_dims_need_input_shape(tmp_path, capsys):
     assert model.inputs[0].shape == [1, 3, 32, 32]
 
 
+def test_a_dynamic_batch_dim_alone_compiles_for_batch_1(tiny_cnn, tmp_path, capsys):
+    m = onnx.load(str(tiny_cnn))
+    for value in (m.graph.input[0], m.graph.output[0]):  # as dynamic_axes={..: {0: "N"}} exports
+        value.type.tensor_type.shape.dim[0].dim_param = "N"
+    onnx.save(m, str(tmp_path / "dynbatch.onnx"))
+    rc, err = _run_err(["kernels", str(tmp_path / "dynbatch.onnx")], capsys)
+    assert rc == 0 and "dynamic batch dim: compiled for batch 1 (--input-shape input:8,3," in err
+    (spec,) = frontend.load(tmp_path / "dynbatch.onnx").inputs
+    assert spec.shape[0] == 1 and spec.batch_defaulted
+    (spec,) = frontend.load(tmp_path / "dynbatch.onnx", {"input": [2, *spec.shape[1:]]}).inputs
+    assert spec.shape[0] == 2 and not spec.batch_defaulted
+
+
 def test_bad_input_shape_flag(tiny_cnn, capsys):
     rc, err = _run_err(["kernels", str(tiny_cnn), "--input-shape", "nosuch:1,2"], capsys)
     assert rc == 2 and "model's inputs are: input" in err
@@ -188,6 +201,20 @@ def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_styl
     assert model.simplified
     from ttrank.target import make_target
 
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
+    assert runtime.check_against_onnxruntime(compiled, model).ok
+
+
+def test_a_channel_split_computed_from_shapes_is_folded_before_its_kernels_are_built(channel_split):
+    # imported as exported, the split's slices have no static shape: no kernel can be built
+    as_exported = frontend.load(channel_split, simplify_graph="never")
+    assert frontend.unknown_shapes(as_exported.mod)
+    model = frontend.load(channel_split)
+    assert model.simplified and "static shape" in model.simplified_because
+    assert not frontend.unknown_shapes(model.mod)
+    from ttrank.target import make_target
+
+    assert {k.anchor_op for k in kernels.extract(model.mod)} >= {"conv2d_nchw"}
     compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
     assert runtime.check_against_onnxruntime(compiled, model).ok
 
@@ -314,6 +341,38 @@ def test_batch_norms_fold_into_transposed_convs_and_outputs_still_match(tmp_path
     ex = runtime.compile_model(model, make_target())
     out = runtime.export(ex, tmp_path / "m.so")
     res = runtime.check_against_onnxruntime(runtime.CompiledModel.load(out, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
+def _atrous_pyramid(path):
+    """DeepLab's ASPP on a 10x10 map: 3x3 convs at rates 4, 12 and 2 (grouped), side by side."""
+    g = zoo.GraphBuilder("aspp", seed=0)
+    x = g.relu(g.conv(g.input("input", [1, 3, 20, 20]), 3, 16, 3, 2))
+    branches = [g.relu(g.conv(x, 16, 8, 3, dilation=4)), g.relu(g.conv(x, 16, 8, 3, dilation=12)),
+                g.relu(g.conv(x, 16, 8, 3, groups=8, dilation=2))]
+    g.output(g.concat(branches), [1, 24, 10, 10])
+    onnx.save(g.model(), str(path))
+    return path
+
+
+def test_an_atrous_conv_computes_only_the_taps_that_read_its_map(tmp_path):
+    from ttrank.graphopt import tap_zones
+    from ttrank.target import make_target
+
+    # rate 12 on 10 rows with padding 12: every output reads only the centre tap
+    assert tap_zones(10, 10, 3, 1, 12, 12) == [(0, 10, 1, 2)]
+    # rate 4: the first 4 outputs read taps 1-2, the middle 2 all three, the last 4 taps 0-1
+    assert tap_zones(10, 10, 3, 1, 4, 4) == [(0, 4, 1, 3), (4, 6, 0, 3), (6, 10, 0, 2)]
+    model = frontend.load(_atrous_pyramid(tmp_path / "aspp.onnx"))
+    convs = [k for k in kernels.extract(model.mod) if "conv2d" in k.anchor_op]
+    work = sum(k.flops * k.weight for k in convs)
+    plain = 2 * 9 * (10 * 10 * 3 * 16 + 10 * 10 * (16 * 8 * 2 + 2 * 8))  # stem, two ASPP convs, grouped
+    assert work < 0.6 * plain, (work, plain)
+    # 1 conv for rate 12 (1x1), 9 zones for rate 4; rate 2 reads its map enough to stay whole
+    assert sum(k.weight for k in convs) == 1 + 1 + 9 + 1, [(k.name, k.weight) for k in convs]
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(
+        runtime.CompiledModel.load(runtime.export(ex, tmp_path / "m.so"), model), model)
     assert res.ok and res.max_abs_error < 1e-4
 
 

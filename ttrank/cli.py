@@ -88,6 +88,11 @@ def load_model_arg(args, target=None, layout: str | None = None):
     model = zoo.load(args.model, frontend.parse_input_shapes(args.input_shape),
                      fast_math=not args.exact_math, layout=layout or args.layout, target=target)
     args.loaded_model = model
+    for spec in model.inputs:
+        if spec.batch_defaulted:
+            other = ",".join(map(str, [8, *spec.shape[1:]]))
+            say(f"note: input {spec.name!r} has a dynamic batch dim: compiled for batch 1 "
+                f"(--input-shape {spec.name}:{other} for another)")
     if model.simplified_because:  # the importer's own complaint went to the native log (-v)
         say(f"note: simplified the graph with onnxslim before import: {model.simplified_because}")
     return model

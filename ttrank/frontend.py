@@ -38,6 +38,8 @@ class InputSpec:
     name: str
     shape: list[int]
     dtype: str
+    # its leading dim was dynamic (an exporter's batch axis) and nothing bound it: bound to 1
+    batch_defaulted: bool = False
 
 
 @dataclass
@@ -286,28 +288,51 @@ def _weights_set_aside(model: onnx.ModelProto) -> Iterator[None]:
             model.graph.initializer[i].raw_data = data
 
 
+def _bindings(mod) -> Iterator:
+    """Every binding of the module's Relax functions."""
+    from tvm import relax
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
+            for block in func.body.blocks:
+                yield from block.bindings
+
+
 def check_relax_sizes(mod, path) -> None:
     """The same limit on every tensor of the imported Relax module (what inference missed)."""
     import tvm
-    from tvm import relax
 
     limit = max_tensor_bytes()
-    for gv, func in mod.functions.items():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        for block in func.body.blocks:
-            for b in block.bindings:
-                for sinfo in _tensor_types(b.var.ty):
-                    dims = [int(d) for d in sinfo.shape.values if isinstance(d, tvm.tirx.IntImm)]
-                    if len(dims) != sinfo.ndim:
-                        continue
-                    n = math.prod(dims)
-                    size = n * max(1, tvm.DataType(sinfo.dtype).bits // 8) if sinfo.dtype else n * 4
-                    if size > limit:
-                        raise TooLargeError(
-                            f"{path}: the imported graph computes a {'x'.join(map(str, dims))} "
-                            f"tensor ({_bytes(size)}), more than this machine's memory "
-                            f"({_bytes(limit)}); refused before compiling or allocating anything")
+    for b in _bindings(mod):
+        for sinfo in _tensor_types(b.var.ty):
+            dims = [int(d) for d in sinfo.shape.values if isinstance(d, tvm.tirx.IntImm)]
+            if len(dims) != sinfo.ndim:
+                continue
+            n = math.prod(dims)
+            size = n * max(1, tvm.DataType(sinfo.dtype).bits // 8) if sinfo.dtype else n * 4
+            if size > limit:
+                raise TooLargeError(
+                    f"{path}: the imported graph computes a {'x'.join(map(str, dims))} "
+                    f"tensor ({_bytes(size)}), more than this machine's memory "
+                    f"({_bytes(limit)}); refused before compiling or allocating anything")
+
+
+def unknown_shapes(mod) -> list[str]:
+    """The values of the module whose shape is not constant: an importer left a slice or a
+    reshape it could not follow until run time, and legalization refuses those."""
+    return [str(b.var.name) for b in _bindings(mod) if not _static(b.var.ty)]
+
+
+def _static(ty) -> bool:
+    import tvm
+    from tvm import relax
+
+    if isinstance(ty, relax.TensorType):
+        return isinstance(ty.shape, relax.ShapeExpr) and all(
+            isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)
+    if isinstance(ty, relax.TupleType):
+        return all(_static(f) for f in ty.fields)
+    return True
 
 
 def _tensor_types(ty) -> Iterator:
@@ -328,7 +353,11 @@ def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
 
 
 def bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> list[InputSpec]:
-    """Write the given shapes into the model's inputs; raise if any dim stays dynamic."""
+    """Write the given shapes into the model's inputs; raise if any dim stays dynamic.
+
+    An input whose only dynamic dim is its leading one (an exporter's batch axis, as
+    ``dynamic_axes={"input": {0: "N"}}`` writes it) gets batch 1, as inference servers
+    compile for; its spec says so (``batch_defaulted``)."""
     inputs = graph_inputs(model)
     names = {i.name for i in inputs}
     for name in shapes:
@@ -350,7 +379,12 @@ def bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> l
                                          f"in the model, got {v}")
                 d.Clear()
                 d.dim_value = v
-        dynamic = [d.dim_param or "?" for d in dims if not (d.HasField("dim_value") and d.dim_value > 0)]
+        free = [i for i, d in enumerate(dims) if not (d.HasField("dim_value") and d.dim_value > 0)]
+        defaulted = free == [0] and len(dims) > 1
+        if defaulted:
+            dims[0].Clear()
+            dims[0].dim_value = 1
+        dynamic = [dims[i].dim_param or "?" for i in free if not defaulted]
         if dynamic:
             example = ",".join(str(d.dim_value) if d.dim_value > 0 else "N" for d in dims)
             raise DynamicShapeError(
@@ -359,7 +393,7 @@ def bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> l
         dtype = _ONNX_TO_NUMPY.get(tt.elem_type)
         if dtype is None:
             raise ModelLoadError(f"input {inp.name!r}: unsupported element type {tt.elem_type}")
-        specs.append(InputSpec(inp.name, [d.dim_value for d in dims], dtype))
+        specs.append(InputSpec(inp.name, [d.dim_value for d in dims], dtype, defaulted))
     # stale inferred shapes of intermediate values would contradict the bound inputs
     del model.graph.value_info[:]
     return specs
@@ -454,6 +488,16 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     if simplify_graph == "always" and not simplified:
         model, simplified = _simplify(model, path), True
     mod, failed, op = _import(model, specs)
+    if not failed and simplify_graph == "auto" and not simplified and (dyn := unknown_shapes(mod)):
+        # imported, but with run-time shapes (torch.onnx's Shape->Gather->Div channel splits
+        # become dynamic slices) that no kernel can be built for: folded, they are constants
+        log.info("the import left %d values without a static shape (%s); simplifying the graph",
+                 len(dyn), dyn[0])
+        folded = _simplify(model, path)
+        got, why, _ = _import(folded, specs)
+        if not why and not unknown_shapes(got):
+            model, mod, simplified = folded, got, True
+            because = f"TVM's importer left {len(dyn)} values without a static shape"
     # an invalid file explains a failure best: say so in the error (checked only then: it
     # costs as much as the import on a large model)
     complaint = onnx_complaint(model) if failed else ""

@@ -935,16 +935,22 @@ class Measurer:
                         and once > PRESETTLE_FACTOR * best:
                     secs[i] = [once]
                     settled.add(i)
+        presettled = frozenset(settled)
         runs = 0
         for rnd in range(max(1, self.spec.rounds)):
             if rnd == 1 and known is not None:
                 mins = {i: min(s) for i, s in secs.items() if s}
                 batch_best: dict = {}  # per kernel (each module its own without keys), this pass
+                # only timed runs set it: a check's one cold call is another kind of measurement
+                # (and those settled by it are over 4x the kernel's best known anyway)
                 for i, m in mins.items():
+                    if i in presettled:
+                        continue
                     kernel = keys[i] if keys else i
                     batch_best[kernel] = min(batch_best.get(kernel, m), m)
                 for i, best in enumerate(known()):
-                    if i in mins and mins[i] > SETTLE_FACTOR * min(batch_best[keys[i] if keys else i],
+                    kernel = keys[i] if keys else i
+                    if i in mins and mins[i] > SETTLE_FACTOR * min(batch_best.get(kernel, math.inf),
                                                                    best if best is not None else math.inf):
                         settled.add(i)
             live = [j for j in order if idx[j] not in errors and idx[j] not in settled]
