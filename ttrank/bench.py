@@ -132,20 +132,26 @@ def warm_leave_one_out(net: str) -> None:
 
 def run_recommend(net: str, tmp: Path, top_k: int | None = None, pause: bool = False,
                   extra: tuple[str, ...] = (), report_name: str | None = None,
-                  leave_one_out: bool = True) -> tuple[dict, float, int, list[str]]:
+                  leave_one_out: bool = True, path: Path | None = None
+                  ) -> tuple[dict, float, int, list[str]]:
     """``ttrank recommend zoo:NET --leave-one-out`` as a user runs it, with a fresh data dir in
     ``tmp``: (the --json report, wall seconds, processes paused, the command). The whole report
     is kept as bench/work/reports/``report_name``.json (default: NET). ``leave_one_out=False``:
-    the network's own donors and rows are candidates too (a user whose model is in the store)."""
+    the network's own donors and rows are candidates too (a user whose model is in the store).
+    ``path``: an ONNX file instead of the zoo's (named ``net``; nothing is left out)."""
     rep_path = tmp / "report.json"
-    cmd = ["ttrank", "recommend", f"zoo:{net}", *(["--leave-one-out"] if leave_one_out else []),
+    leave_one_out = leave_one_out and path is None
+    cmd = ["ttrank", "recommend", str(path) if path else f"zoo:{net}",
+           *(["--leave-one-out"] if leave_one_out else []),
            "--no-progress", "--data-dir", str(tmp / "data"), "-o", str(tmp / f"{net}.so"),
            "--json", str(rep_path)]
     if top_k:
         cmd += ["--top-k", str(top_k)]
     cmd += list(extra)
-    # the zoo model is exported before the clock starts: a user already has their file
-    subprocess.run(["ttrank", "zoo", "export", net, str(tmp / "warm.onnx")], check=True, capture_output=True)
+    if path is None:
+        # the zoo model is exported before the clock starts: a user already has their file
+        subprocess.run(["ttrank", "zoo", "export", net, str(tmp / "warm.onnx")], check=True,
+                       capture_output=True)
     if leave_one_out:
         warm_leave_one_out(net)
     with paused_background(pause) as paused:
