@@ -16,6 +16,18 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 _CONV_LAYOUTS = {"relax.nn.conv2d": ("OIHW", 0), "relax.nn.conv2d_transpose": ("IOHW", 1)}
 
 
+def _rewrite(mod: tvm.IRModule, rewrites: list) -> None:
+    """Apply ``rewrites`` ((pattern, rewriter) pairs, in order) to every Relax function of
+    ``mod``, in place."""
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            new = func
+            for pattern, rewriter in rewrites:
+                new = rewrite_call(pattern, rewriter, new)
+            if not new.same_as(func):
+                mod[gvar] = new
+
+
 def fold_batch_norms(mod: tvm.IRModule) -> tvm.IRModule:
     """Fold inference batch norms into the conv2d or conv2d_transpose before them.
 
@@ -124,13 +136,7 @@ def conv_transpose_as_conv(mod: tvm.IRModule) -> tvm.IRModule:
             return relax.op.reshape(y, [n, cout, h * kh, wd * kw])
         return rewriter
 
-    for gvar, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            new = func
-            for pattern, with_bias in patterns:
-                new = rewrite_call(pattern, rewriter_for(with_bias), new)
-            if not new.same_as(func):
-                mod[gvar] = new
+    _rewrite(mod, [(pattern, rewriter_for(with_bias)) for pattern, with_bias in patterns])
     return mod
 
 
@@ -210,11 +216,7 @@ def dilated_conv_zones(mod: tvm.IRModule) -> tvm.IRModule:
             grid.append(line[0] if len(line) == 1 else relax.op.concat(line, axis=3))
         return grid[0] if len(grid) == 1 else relax.op.concat(grid, axis=2)
 
-    for gvar, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            new = rewrite_call(conv, rewriter, func)
-            if not new.same_as(func):
-                mod[gvar] = new
+    _rewrite(mod, [(conv, rewriter)])
     return mod
 
 
@@ -253,11 +255,7 @@ def pad_matmul_columns(mod: tvm.IRModule) -> tvm.IRModule:
         y = relax.op.matmul(matches[data], relax.const(wp), out_dtype=expr.attrs.out_dtype)
         return relax.op.strided_slice(y, axes=[len(shape) - 1], begin=[0], end=[n])
 
-    for gvar, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            new = rewrite_call(pattern, rewriter, func)
-            if not new.same_as(func):
-                mod[gvar] = new
+    _rewrite(mod, [(pattern, rewriter)])
     return mod
 
 
