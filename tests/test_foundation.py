@@ -376,6 +376,25 @@ def test_an_atrous_conv_computes_only_the_taps_that_read_its_map(tmp_path):
     assert res.ok and res.max_abs_error < 1e-4
 
 
+def test_a_conv_whose_output_rows_tile_badly_computes_one_more_and_slices_it_off(tmp_path):
+    from ttrank.graphopt import padded_extent
+    from ttrank.target import make_target
+
+    assert [padded_extent(n) for n in (14, 16, 17, 35, 71)] == [14, 16, 18, 35, 72]
+    g = zoo.GraphBuilder("inception_stem", seed=0)
+    x = g.relu(g.conv(g.input("input", [1, 3, 37, 37]), 3, 16, 3, 2, 0))  # 18x18
+    x = g.relu(g.conv(x, 16, 32, 2, 1, 0))  # 17x17: no divisor between 4 and 16
+    g.output(x, [1, 32, 17, 17])
+    onnx.save(g.model(), str(tmp_path / "stem.onnx"))
+    model = frontend.load(tmp_path / "stem.onnx")
+    convs = {k.name: k.extents for k in kernels.extract(model.mod) if "conv2d" in k.anchor_op}
+    assert sorted(e[2:4] for e in convs.values()) == [[18, 18], [18, 18]], convs
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(
+        runtime.CompiledModel.load(runtime.export(ex, tmp_path / "m.so"), model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def _vocab_head(path, classes: int):
     """A recogniser's or language model's last layer: a linear map onto ``classes`` outputs."""
     g = zoo.GraphBuilder("head", seed=0)

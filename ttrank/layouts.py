@@ -380,7 +380,8 @@ class _Packer(PyExprMutator):
         return self._unpack(out, views[0][1])
 
     def _channel_slice(self, call):
-        """A slice of whole blocks on the channel axis (a CSP split) of a view."""
+        """A slice of a view: of whole blocks on the channel axis (a CSP split), and of rows
+        and columns (a padded conv's extra outputs), which are the same axes packed."""
         view = self._view_of(call.args[0])
         if view is None or not _rank4(call):
             return None
@@ -390,11 +391,14 @@ class _Packer(PyExprMutator):
             return None
         strides = rest[0] if rest else [1] * len(axes)
         block = view[1]
-        channels = int(call.args[0].ty.shape[1])
-        if axes != [1] or strides != [1] or begin[0] % block or min(end[0], channels) % block:
+        dims = [int(d) for d in call.args[0].ty.shape]
+        end = [min(e, dims[ax]) for ax, e in zip(axes, end)]
+        if not set(axes) <= {1, 2, 3} or any(st != 1 for st in strides) or any(
+                ax == 1 and (b % block or e % block) for ax, b, e in zip(axes, begin, end)):
             return None
         out = self.builder_.emit(relax.op.strided_slice(
-            view[0], axes=[1], begin=[begin[0] // block], end=[min(end[0], channels) // block]))
+            view[0], axes=axes, begin=[b // block if ax == 1 else b for ax, b in zip(axes, begin)],
+            end=[e // block if ax == 1 else e for ax, e in zip(axes, end)]))
         self.counts["sunk"] += 1
         return self._unpack(out, block)
 
