@@ -19,7 +19,7 @@ import psutil
 from .decompose import rewrite_unsupported
 from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeError,
                      UnsafeModelError, UnsupportedOpError)
-from .graphopt import clean_up
+from .graphopt import clean_up, static_dims
 from .layouts import LAYOUTS, apply_layout
 from .util import to_native_log
 
@@ -324,12 +324,10 @@ def unknown_shapes(mod) -> list[str]:
 
 
 def _static(ty) -> bool:
-    import tvm
     from tvm import relax
 
     if isinstance(ty, relax.TensorType):
-        return isinstance(ty.shape, relax.ShapeExpr) and all(
-            isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)
+        return static_dims(ty) is not None
     if isinstance(ty, relax.TupleType):
         return all(_static(f) for f in ty.fields)
     return True

@@ -16,6 +16,14 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 _CONV_LAYOUTS = {"relax.nn.conv2d": ("OIHW", 0), "relax.nn.conv2d_transpose": ("IOHW", 1)}
 
 
+def static_dims(ty) -> list[int] | None:
+    """A tensor type's shape as integers; None unless every dim is a constant."""
+    shape = getattr(ty, "shape", None)
+    if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tirx.IntImm) for d in shape.values):
+        return None
+    return [int(d) for d in shape.values]
+
+
 def _rewrite(mod: tvm.IRModule, rewrites: list) -> None:
     """Apply ``rewrites`` ((pattern, rewriter) pairs, in order) to every Relax function of
     ``mod``, in place."""
@@ -112,14 +120,13 @@ def conv_transpose_as_conv(mod: tvm.IRModule) -> tvm.IRModule:
             a = call.attrs
             w = matches[weight].value.numpy()
             cin, cout, kh, kw = w.shape
-            shape = getattr(call.args[0].ty, "shape", None)
+            shape = static_dims(call.args[0].ty)
             if (a.kernel_layout != "IOHW" or a.data_layout != "NCHW" or int(a.groups) != 1
                     or [int(x) for x in a.strides] != [kh, kw]
                     or any(int(x) for x in a.padding) or any(int(x) for x in a.output_padding)
-                    or any(int(x) != 1 for x in a.dilation) or shape is None
-                    or not all(isinstance(d, tvm.tirx.IntImm) for d in shape)):
+                    or any(int(x) != 1 for x in a.dilation) or shape is None):
                 return expr
-            n, _, h, wd = (int(d) for d in shape)
+            n, _, h, wd = shape
             w2 = w.transpose(1, 2, 3, 0).reshape(cout * kh * kw, cin, 1, 1)
             y = relax.op.nn.conv2d(matches[data], relax.const(np.ascontiguousarray(w2)))
             if with_bias:
@@ -179,15 +186,12 @@ def dilated_conv_zones(mod: tvm.IRModule) -> tvm.IRModule:
     def rewriter(expr, matches):
         call = matches[conv]
         a = call.attrs
-        shape = getattr(call.args[0].ty, "shape", None)
-        oshape = getattr(call.ty, "shape", None)
+        shape, oshape = static_dims(call.args[0].ty), static_dims(call.ty)
         if (a.data_layout != "NCHW" or a.kernel_layout != "OIHW" or a.out_layout != "NCHW"
-                or all(int(x) == 1 for x in a.dilation) or shape is None or oshape is None
-                or not all(isinstance(d, tvm.tirx.IntImm) for d in [*shape, *oshape])):
+                or all(int(x) == 1 for x in a.dilation) or shape is None or oshape is None):
             return expr
         w = matches[weight].value.numpy()
-        _, _, h, wd = (int(d) for d in shape)
-        oh, ow = int(oshape[2]), int(oshape[3])
+        (_, _, h, wd), (oh, ow) = shape, oshape[2:]
         (sh, sw), (dh, dw) = [int(x) for x in a.strides], [int(x) for x in a.dilation]
         top, left = int(a.padding[0]), int(a.padding[1])
         kh, kw = w.shape[2:]
@@ -288,11 +292,10 @@ def pad_conv_outputs(mod: tvm.IRModule) -> tvm.IRModule:
     def padded(call, matches):
         """The conv computing padded outputs, and its real rows and columns; None if fine."""
         a = call.attrs
-        shape = getattr(call.ty, "shape", None)
-        if (a.data_layout != "NCHW" or a.out_layout != "NCHW" or shape is None
-                or not all(isinstance(d, tvm.tirx.IntImm) for d in shape)):
+        shape = static_dims(call.ty)
+        if a.data_layout != "NCHW" or a.out_layout != "NCHW" or shape is None:
             return None
-        oh, ow = int(shape[2]), int(shape[3])
+        oh, ow = shape[2:]
         ph, pw = padded_extent(oh), padded_extent(ow)
         if (ph, pw) == (oh, ow) or ph * pw > 1.15 * oh * ow:
             return None

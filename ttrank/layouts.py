@@ -263,7 +263,7 @@ class _Packer(PyExprMutator):
         elif name == "relax.concat":
             new = self._concat(call)
         elif name == "relax.strided_slice":
-            new = self._channel_slice(call)
+            new = self._slice(call)
         elif name == "relax.image.resize2d":
             new = self._resize(call)
         return call if new is None else new
@@ -379,7 +379,7 @@ class _Packer(PyExprMutator):
         self.counts["sunk"] += 1
         return self._unpack(out, views[0][1])
 
-    def _channel_slice(self, call):
+    def _slice(self, call):
         """A slice of a view: of whole blocks on the channel axis (a CSP split), and of rows
         and columns (a padded conv's extra outputs), which are the same axes packed."""
         view = self._view_of(call.args[0])
