@@ -21,10 +21,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.nn as nn
 import torchvision.models as tvm
+import torchvision.models.detection as tvdet
 import torchvision.models.segmentation as tvseg
 import torchvision.models.video as tvvid
 
 torch.set_num_threads(1)
+# eval-mode attention takes a fused fast path that the TorchScript exporter cannot write
+torch.backends.mha.set_fastpath_enabled(False)
 try:
     torch.set_num_interop_threads(1)
 except RuntimeError:
@@ -98,6 +101,129 @@ class TextDet(nn.Module):
         return self.head(p1)
 
 
+def cbs(cin, cout, k=1, s=1, p=None):
+    """YOLOv5's Conv: conv + BN + SiLU."""
+    p = k // 2 if p is None else p
+    return nn.Sequential(nn.Conv2d(cin, cout, k, s, p, bias=False), nn.BatchNorm2d(cout), nn.SiLU())
+
+
+class C3(nn.Module):
+    """YOLOv5's C3 block: two 1x1 branches, n bottlenecks on one, concat, 1x1."""
+
+    def __init__(self, cin, cout, n=1, shortcut=True):
+        super().__init__()
+        h = cout // 2
+        self.a, self.b, self.out = cbs(cin, h), cbs(cin, h), cbs(2 * h, cout)
+        self.m = nn.ModuleList(nn.Sequential(cbs(h, h), cbs(h, h, 3)) for _ in range(n))
+        self.shortcut = shortcut
+
+    def forward(self, x):
+        y = self.a(x)
+        for m in self.m:
+            y = y + m(y) if self.shortcut else m(y)
+        return self.out(torch.cat([y, self.b(x)], 1))
+
+
+class SPPF(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.a, self.out = cbs(cin, cin // 2), cbs(cin * 2, cout)
+        self.pool = nn.MaxPool2d(5, 1, 2)
+
+    def forward(self, x):
+        x = self.a(x)
+        y1 = self.pool(x)
+        y2 = self.pool(y1)
+        return self.out(torch.cat([x, y1, y2, self.pool(y2)], 1))
+
+
+class YoloV5s(nn.Module):
+    """YOLOv5s-like detector at 640x640 (width 0.5, depth 0.33): C3 backbone, SPPF, PAN neck,
+    and the raw head as exported for deployment: sigmoid, grid decode, one (1, N, 85) tensor."""
+
+    def __init__(self, nc=80, w=(32, 64, 128, 256, 512)):
+        super().__init__()
+        self.b = nn.ModuleList([cbs(3, w[0], 6, 2, 2), cbs(w[0], w[1], 3, 2), C3(w[1], w[1], 1),
+                                cbs(w[1], w[2], 3, 2), C3(w[2], w[2], 2), cbs(w[2], w[3], 3, 2),
+                                C3(w[3], w[3], 3), cbs(w[3], w[4], 3, 2), C3(w[4], w[4], 1), SPPF(w[4], w[4])])
+        self.l10, self.c13 = cbs(w[4], w[3]), C3(w[4], w[3], 1, False)
+        self.l14, self.c17 = cbs(w[3], w[2]), C3(w[3], w[2], 1, False)
+        self.d18, self.c20 = cbs(w[2], w[2], 3, 2), C3(w[3], w[3], 1, False)
+        self.d21, self.c23 = cbs(w[3], w[3], 3, 2), C3(w[4], w[4], 1, False)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.no = nc + 5
+        self.heads = nn.ModuleList(nn.Conv2d(c, 3 * self.no, 1) for c in (w[2], w[3], w[4]))
+
+    def forward(self, x):
+        feats = []
+        for i, m in enumerate(self.b):
+            x = m(x)
+            if i in (4, 6):
+                feats.append(x)
+        p4, p3 = feats[1], feats[0]
+        t10 = self.l10(x)
+        t13 = self.c13(torch.cat([self.up(t10), p4], 1))
+        t14 = self.l14(t13)
+        o17 = self.c17(torch.cat([self.up(t14), p3], 1))
+        o20 = self.c20(torch.cat([self.d18(o17), t14], 1))
+        o23 = self.c23(torch.cat([self.d21(o20), t10], 1))
+        out = []
+        for head, f, stride in zip(self.heads, (o17, o20, o23), (8, 16, 32)):
+            y = head(f)
+            n, _, h, w_ = y.shape
+            y = y.view(n, 3, self.no, h, w_).permute(0, 1, 3, 4, 2).sigmoid()
+            gy, gx = torch.meshgrid(torch.arange(h, dtype=y.dtype), torch.arange(w_, dtype=y.dtype), indexing="ij")
+            grid = torch.stack((gx, gy), 2).view(1, 1, h, w_, 2)
+            xy = (y[..., :2] * 2 - 0.5 + grid) * stride
+            wh = (y[..., 2:4] * 2) ** 2 * stride * 4
+            out.append(torch.cat((xy, wh, y[..., 4:]), -1).view(n, -1, self.no))
+        return torch.cat(out, 1)
+
+
+class CRNN(nn.Module):
+    """CRNN text recognizer: a VGG-ish conv stack over a 32x128 grey crop, then a two-layer
+    bidirectional LSTM over the 32 columns, and per-column class logits."""
+
+    def __init__(self, classes=37, hidden=128):
+        super().__init__()
+        self.cnn = nn.Sequential(cbr(1, 64), nn.MaxPool2d(2), cbr(64, 128), nn.MaxPool2d(2), cbr(128, 256),
+                                 cbr(256, 256), nn.MaxPool2d((2, 1)), cbr(256, 256), nn.MaxPool2d((4, 1)))
+        self.rnn = nn.LSTM(256, hidden, num_layers=2, bidirectional=True)
+        self.fc = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x):
+        f = self.cnn(x).squeeze(2).permute(2, 0, 1)  # (T, N, C)
+        y, _ = self.rnn(f)
+        return self.fc(y)
+
+
+class TextEncoder(nn.Module):
+    """A BERT-mini-like sentence classifier: token embedding, learned positions, 4 post-norm
+    encoder layers (d 256, 4 heads, GELU), first-token pooling. Its input is int64 token ids."""
+
+    def __init__(self, vocab=30522, seq=128, d=256, layers=4, classes=2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(1, seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, activation="gelu", batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm, self.cls = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.cls(self.norm(self.enc(self.tok(ids) + self.pos))[:, 0])
+
+
+class Detections(nn.Module):
+    """A torchvision detector's first image's boxes, scores and labels (NMS included)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        d = self.m(list(x))[0]
+        return d["boxes"], d["scores"], d["labels"]
+
+
 S224 = (1, 3, 224, 224)
 # name -> (builder, input shape)
 MODELS = {
@@ -121,8 +247,26 @@ MODELS = {
     "r3d_18": (lambda: tvvid.r3d_18(weights=None), (1, 3, 8, 112, 112)),
     "wide_resnet50_2": (lambda: tvm.wide_resnet50_2(weights=None), S224),
     "textdet": (lambda: TextDet(), (1, 3, 640, 640)),
+    # the second batch (2026-12-06, session 46): transformers, a YOLO, a recurrent net, a
+    # detector with NMS in the graph, token-id input
+    "vit_b_32": (lambda: tvm.vit_b_32(weights=None), S224),
+    "maxvit_t": (lambda: tvm.maxvit_t(weights=None), S224),
+    "regnet_x_1_6gf": (lambda: tvm.regnet_x_1_6gf(weights=None), S224),
+    "lraspp_mobilenet_v3_large": (
+        lambda: SegOut(tvseg.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None)),
+        (1, 3, 320, 320),
+    ),
+    "efficientnet_b1": (lambda: tvm.efficientnet_b1(weights=None), (1, 3, 240, 240)),
+    "yolov5s": (lambda: YoloV5s(), (1, 3, 640, 640)),
+    "crnn": (lambda: CRNN(), (1, 1, 32, 128)),
+    "text_encoder": (lambda: TextEncoder(), (1, 128)),
+    "ssdlite320_mobilenet_v3_large": (
+        lambda: Detections(tvdet.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None)),
+        (1, 3, 320, 320),
+    ),
 }
-DYNAMO = ["resnet34", "shufflenet_v2_x1_0", "convnext_tiny", "mobilenet_v3_small"]
+DYNAMO = ["resnet34", "shufflenet_v2_x1_0", "convnext_tiny", "mobilenet_v3_small", "efficientnet_b1", "vit_b_32",
+          "text_encoder"]
 
 
 def one_line(e):
@@ -135,7 +279,7 @@ def build(name):
     torch.manual_seed(0)
     m = fn().eval()
     torch.manual_seed(0)
-    x = torch.randn(*shape)
+    x = torch.randint(0, 30522, shape) if name == "text_encoder" else torch.randn(*shape)
     return m, x
 
 

@@ -395,6 +395,51 @@ def test_a_conv_whose_output_rows_tile_badly_computes_one_more_and_slices_it_off
     assert res.ok and res.max_abs_error < 1e-4
 
 
+def test_a_video_nets_3d_convs_compile_as_2d_convs_that_donors_cover(tmp_path):
+    from ttrank.target import make_target
+
+    g = zoo.GraphBuilder("video", seed=0)
+    x = g.relu(g.conv3d(g.input("clip", [1, 3, 6, 20, 20]), 3, 8, (3, 5, 5), (1, 2, 2)))  # 6x10x10
+    y = g.relu(g.conv3d(x, 8, 8, (1, 3, 3)))  # R(2+1)D's spatial half
+    y = g.conv3d(y, 8, 16, (3, 1, 1), (2, 1, 1))  # its temporal half, strided in time: 3x10x10
+    short = g.conv3d(x, 8, 16, (1, 1, 1), (2, 1, 1))
+    x = g.relu(g.node("Add", [y, short]))
+    x = g.relu(g.conv3d(x, 16, 16, (3, 3, 3), (2, 2, 2)))  # 2x5x5
+    x = g.conv3d(x, 16, 16, (3, 3, 3), groups=4)  # grouped: stays a 3-D conv
+    g.output(x, [1, 16, 2, 5, 5])
+    onnx.save(g.model(), str(tmp_path / "video.onnx"))
+    model = frontend.load(tmp_path / "video.onnx")
+    ops = sorted(k.anchor_op for k in kernels.extract(model.mod) if "conv" in k.anchor_op)
+    assert ops == ["conv2d_nchw"] * 5 + ["group_conv3d_ncdhw"], ops
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_a_sequence_first_attention_runs_its_projections_as_rows_and_its_scores_on_whole_vectors(tmp_path):
+    # torchvision's attention, as torch.onnx writes it: tokens first ([L, B, E]), the
+    # projections by [E, 3E] weights, and Q K^T over 50 tokens (ViT-B/32)
+    g = zoo.GraphBuilder("seq_first", seed=0)
+    x = g.input("tokens", [50, 1, 32])
+    qkv = g.linear(x, 32, 96)  # [50, 1, 96]
+    q, k = (g.reshape(g.node("Slice", [qkv, g.const(np.array([a], np.int64)), g.const(np.array([a + 32], np.int64)),
+                                       g.const(np.array([2], np.int64))]), [1, 50, 32]) for a in (0, 32))
+    scores = g.node("Softmax", [g.node("MatMul", [q, g.node("Transpose", [k], perm=[0, 2, 1])])], axis=-1)
+    out = g.node("Gemm", [g.reshape(g.node("MatMul", [scores, q]), [50, 32]), g.weight((32, 32), 0.1)])
+    g.output(out, [50, 32])
+    onnx.save(g.model(), str(tmp_path / "attn.onnx"))
+    model = frontend.load(tmp_path / "attn.onnx")
+    matmuls = sorted((k.workload_class, k.extents) for k in kernels.extract(model.mod) if k.anchor_op == "matmul")
+    assert matmuls == [("matmul", [1, 50, 32, 32]),  # the 2-D Gemm, as rows
+                       ("matmul", [1, 50, 32, 50]),  # scores x values
+                       ("matmul+add", [1, 50, 96, 32]),  # not 50 products of one row
+                       # the scores' 50 columns padded to 64 and sliced back
+                       ("matmul+strided_slice_with_axes", [1, 50, 64, 32])], matmuls
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def _vocab_head(path, classes: int):
     """A recogniser's or language model's last layer: a linear map onto ``classes`` outputs."""
     g = zoo.GraphBuilder("head", seed=0)

@@ -93,6 +93,16 @@ class GraphBuilder:
         return self.node("Conv", [x, w, b], "conv1d", kernel_shape=[k], strides=[stride],
                          pads=[pad, pad], group=groups, dilations=[dilation])
 
+    def conv3d(self, x: str, cin: int, cout: int, k: tuple[int, int, int],
+               stride: tuple[int, int, int] = (1, 1, 1), groups: int = 1) -> str:
+        """A 3-D convolution on [N, C, D, H, W] (video and volumetric nets), padded to keep
+        the size at stride 1."""
+        w = self.weight((cout, cin // groups, *k), math.sqrt(2.0 / (cin // groups * math.prod(k))))
+        b = self.const(self.rng.normal(0, 0.01, cout).astype(np.float32), "b")
+        pads = [d // 2 for d in k]
+        return self.node("Conv", [x, w, b], "conv3d", kernel_shape=list(k), strides=list(stride),
+                         pads=pads + pads, group=groups)
+
     def conv_transpose(self, x: str, cin: int, cout: int, k: int, stride: int,
                        pad: int = 0, bias: bool = True) -> str:
         """A transposed (fractionally strided) convolution, as upsampling heads export it."""
