@@ -319,8 +319,8 @@ def _bound_constant(expr, consts: dict) -> np.ndarray | None:
 
 
 def flatten_matmul_rows(mod: tvm.IRModule) -> tvm.IRModule:
-    """A matmul by a constant [K, N] weight whose rows are not laid out as ``[1, M, K]`` (a
-    sequence-first ``[L, B, K]`` projection, a 2-D ``[M, K]`` Gemm) runs as ``[1, M, K]``, the
+    """A matmul by a constant [K, N] weight whose rows are not laid out as rows (a
+    sequence-first ``[L, 1, K]`` projection, a 2-D ``[M, K]`` Gemm) runs as ``[1, M, K]``, the
     shape every language and vision transformer donor was tuned on, and is reshaped back.
 
     The rows of a matmul are its rows whatever the leading dims: TOPI's matmul treats
@@ -341,8 +341,10 @@ def flatten_matmul_rows(mod: tvm.IRModule) -> tvm.IRModule:
             if w is None or w.ndim != 2 or shape is None or len(shape) < 2:
                 return expr
             rows = int(np.prod(shape[:-1]))
-            if rows == 1 or (len(shape) == 3 and shape[0] == 1):
-                return expr  # one row (a classifier), or already [1, M, K]
+            if rows == 1 or (len(shape) > 2 and shape[-2] != 1):
+                # one row (a classifier), or rows laid out already ([1, M, K], Swin's [1, H, W, C]):
+                # the reshape back is a view that would split the matmul from its epilogue
+                return expr
             b = None
             if with_bias:
                 b = _bound_constant(matches[bias], consts)
