@@ -405,12 +405,15 @@ def test_a_video_nets_3d_convs_compile_as_2d_convs_that_donors_cover(tmp_path):
     short = g.conv3d(x, 8, 16, (1, 1, 1), (2, 1, 1))
     x = g.relu(g.node("Add", [y, short]))
     x = g.relu(g.conv3d(x, 16, 16, (3, 3, 3), (2, 2, 2)))  # 2x5x5
-    x = g.conv3d(x, 16, 16, (3, 3, 3), groups=4)  # grouped: stays a 3-D conv
-    g.output(x, [1, 16, 2, 5, 5])
+    # a conv to 5 channels without bias, then 5 values that vary along W (not a per-channel bias)
+    x = g.node("Add", [g.node("Conv", [x, g.weight((5, 16, 1, 1, 1), 0.3)], kernel_shape=[1, 1, 1]),
+                       g.const(np.arange(5, dtype=np.float32))])
+    x = g.conv3d(x, 5, 5, (3, 3, 3), groups=5)  # grouped: stays a 3-D conv
+    g.output(x, [1, 5, 2, 5, 5])
     onnx.save(g.model(), str(tmp_path / "video.onnx"))
     model = frontend.load(tmp_path / "video.onnx")
     ops = sorted(k.anchor_op for k in kernels.extract(model.mod) if "conv" in k.anchor_op)
-    assert ops == ["conv2d_nchw"] * 5 + ["group_conv3d_ncdhw"], ops
+    assert ops == ["conv2d_nchw"] * 6 + ["group_conv3d_ncdhw"], ops
     ex = runtime.compile_model(model, make_target())
     res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
     assert res.ok and res.max_abs_error < 1e-4

@@ -24,6 +24,15 @@ def static_dims(ty) -> list[int] | None:
     return [int(d) for d in shape.values]
 
 
+def _along(shape: tuple[int, ...], ndim: int, axis: int) -> bool:
+    """Whether a constant of ``shape``, broadcast against ``ndim`` dims, varies along ``axis``
+    alone (a per-channel bias: ``[C]`` against NCHW varies along W, not C)."""
+    if len(shape) > ndim:
+        return False  # it would add dims
+    full = (1,) * (ndim - len(shape)) + tuple(shape)
+    return all(d == 1 for i, d in enumerate(full) if i != axis)
+
+
 def _rewrite(mod: tvm.IRModule, rewrites: list) -> None:
     """Apply ``rewrites`` ((pattern, rewriter) pairs, in order) to every Relax function of
     ``mod``, in place."""
@@ -88,9 +97,11 @@ def _fold_one_pattern(func: relax.Function, op_name: str, with_bias: bool) -> re
         scale = g / np.sqrt(v + float(bn_call.attrs.epsilon))
         shape = [1] * w.ndim
         shape[out_axis] = -1
-        b = matches[bias].value.numpy().reshape(-1) if with_bias else 0.0
-        if with_bias and b.size not in (1, scale.size):
+        b = matches[bias].value.numpy() if with_bias else 0.0
+        if with_bias and (not _along(b.shape, 4, 1) or b.size not in (1, scale.size)):
             return expr  # not a per-channel bias
+        if with_bias:
+            b = b.reshape(-1)
         new_w = (w * scale.reshape(shape)).astype(w.dtype)
         new_b = ((b - mu) * scale + bt).astype(w.dtype).reshape(1, -1, 1, 1)
         out = relax.Call(conv_call.op, [matches[data], relax.const(new_w)], attrs)
@@ -130,9 +141,10 @@ def conv_transpose_as_conv(mod: tvm.IRModule) -> tvm.IRModule:
             w2 = w.transpose(1, 2, 3, 0).reshape(cout * kh * kw, cin, 1, 1)
             y = relax.op.nn.conv2d(matches[data], relax.const(np.ascontiguousarray(w2)))
             if with_bias:
-                b = matches[bias].value.numpy().reshape(-1)
-                if b.size not in (1, cout):
-                    return expr
+                b = matches[bias].value.numpy()
+                if not _along(b.shape, 4, 1) or b.size not in (1, cout):
+                    return expr  # not a per-channel bias
+                b = b.reshape(-1)
                 b = np.broadcast_to(b, (cout,))
                 # the bias of channel o repeated over its k*k sub-pixels: it stays in the conv's
                 # fused epilogue instead of the shuffle
@@ -187,7 +199,7 @@ def conv3d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
             b = None
             if epilogue >= 1:
                 b = matches[bias].value.numpy()
-                if b.size not in (1, o) or (b.ndim == 5 and b.shape[1] != b.size):
+                if not _along(b.shape, 5, 1) or b.size not in (1, o):
                     return expr  # not a per-channel bias
                 b = relax.const(np.ascontiguousarray(np.broadcast_to(b.reshape(-1), (o,))
                                                      .reshape(1, o, 1, 1)))
@@ -348,8 +360,8 @@ def flatten_matmul_rows(mod: tvm.IRModule) -> tvm.IRModule:
             b = None
             if with_bias:
                 b = _bound_constant(matches[bias], consts)
-                if b is None or b.size != w.shape[1]:
-                    return expr
+                if b is None or not _along(b.shape, len(shape), len(shape) - 1) or b.size != w.shape[1]:
+                    return expr  # not one value per output column
             call = matches[matmul]
             y = relax.op.matmul(relax.op.reshape(matches[data], [1, rows, w.shape[0]]), relax.const(w),
                                 out_dtype=call.attrs.out_dtype)
@@ -470,8 +482,8 @@ def pad_conv_outputs(mod: tvm.IRModule) -> tvm.IRModule:
     def rewriter_for(epilogue: int):
         def rewriter(expr, matches):
             got = padded(matches[conv], matches)
-            if got is None:
-                return expr
+            if got is None or (epilogue >= 1 and not _along(matches[bias].value.shape, 4, 1)):
+                return expr  # a constant that varies along H or W would not fit the padded rows
             y, (oh, ow) = got
             if epilogue >= 1:
                 y = relax.op.add(y, matches[bias])
