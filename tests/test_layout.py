@@ -176,3 +176,29 @@ def test_grouped_convs_are_packed_when_their_groups_hold_whole_blocks(tmp_path, 
     ex = runtime.compile_model(packed, target)
     res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, packed), packed)
     assert res.ok and res.max_abs_error < 1e-4
+
+
+def _shuffle_branch(path: Path) -> Path:
+    """ShuffleNetV2's branch on 116 channels (4 x 29: no block over 4): a 1x1 conv, ReLU, a 3x3
+    depthwise conv, a 1x1 conv and ReLU, then a residual add that needs the true channels."""
+    g = zoo.GraphBuilder("shuffle_branch", seed=0)
+    x = g.input("input", [1, 116, 14, 14])
+    y = g.relu(g.conv(x, 116, 116, 1))
+    y = g.relu(g.conv(g.conv(y, 116, 116, 3, groups=116), 116, 116, 1))
+    g.output(g.node("Add", [x, y]), [1, 116, 14, 14])
+    onnx.save(g.model(), str(path))
+    return path
+
+
+def test_convs_whose_channels_block_badly_compute_whole_blocks_of_zeros(tmp_path, target):
+    assert [layouts.padded_channels(c, 16) for c in (116, 58, 232, 24, 128)] == [128, 64, 232, 24, 128]
+    assert [layouts.padded_channels(c, 8) for c in (116, 58)] == [116, 64]
+    model = frontend.load(_shuffle_branch(tmp_path / "branch.onnx"))
+    packed = dataclasses.replace(model, mod=layouts.pack_conv2d_nchwc(model.mod, target, lanes=16),
+                                 layout="nchwc", kernel_cache={})
+    convs = [k for k in kernels.extract(packed.mod, target) if "NCHWc" in k.anchor_op]
+    # three convs, each over 8 blocks of 16 channels: 128, 12 of them zero weights
+    assert [k.extents[1] * k.extents[4] for k in convs] == [128, 128, 128], [k.extents for k in convs]
+    ex = runtime.compile_model(packed, target)
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, packed), packed)
+    assert res.ok and res.max_abs_error < 1e-4

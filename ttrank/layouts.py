@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 import tvm
 from tvm import ir, relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -159,6 +160,136 @@ _PACKED_DATA = re.compile(r"^NCHW(\d+)c$")
 _PACKED_KERNEL = re.compile(r"^OIHW(\d+)i(\d+)o$")
 
 
+def padded_channels(channels: int, lanes: int) -> int:
+    """The channels a conv computes for ``channels`` outputs (``channels`` when it needs no
+    more): when their largest block is at most a quarter of the lanes (ShuffleNetV2's 116 =
+    4 x 29 and 58 = 2 x 29), the next multiple of the lanes, if that adds at most 1/8."""
+    if block_size(channels, lanes) * 4 > lanes:
+        return channels
+    more = -(-channels // lanes) * lanes
+    return more if 8 * (more - channels) <= channels else channels
+
+
+# element-wise ops a padded tensor goes through padded (a zero channel may leave them non-zero:
+# sigmoid(0); what reads it next multiplies it by zero weights, or slices it off)
+_PADDABLE = frozenset(f"relax.{n}" for n in (
+    "add", "subtract", "multiply", "maximum", "minimum", "nn.relu", "nn.silu", "sigmoid", "tanh",
+    "clip"))
+
+
+def _pad_axis(a, axis: int, size: int):
+    width = [(0, 0)] * a.ndim
+    width[axis] = (0, size - a.shape[axis])
+    return np.pad(a, width)
+
+
+@mutator
+class _ChannelPadder(PyExprMutator):
+    """:func:`pad_channels`: a conv with badly blocked output channels computes
+    :func:`padded_channels` of them from zero weights. Its true tensor is a *view*, the slice
+    of the padded one; convs, depthwise convs and element-wise ops over a view compute on the
+    padded tensor (zero weights for the extra input channels), anything else reads the view."""
+
+    def __init__(self, mod, lanes: int):
+        super().__init__(mod)
+        self.lanes, self.views, self.count = lanes, {}, 0
+
+    def _view_of(self, expr):
+        if isinstance(expr, relax.Var):
+            expr = self.lookup_binding(expr)
+        return self.views.get(expr) if expr is not None else None
+
+    def visit_call_(self, call):  # noqa: N802 - the mutator's hook name
+        call = self.visit_expr_post_order(call)
+        if not isinstance(call, relax.Call) or not isinstance(call.op, ir.Op) or not _rank4(call):
+            return call
+        if call.op.name == "relax.nn.conv2d":
+            new = self._conv(call)
+        elif call.op.name in _PADDABLE:
+            new = self._elementwise(call)
+        else:
+            new = None
+        return call if new is None else new
+
+    def _emit_view(self, padded, channels: int):
+        var = self.builder_.emit(padded)
+        view = relax.op.strided_slice(var, axes=[1], begin=[0], end=[channels])
+        self.views[view] = (var, channels)
+        return view
+
+    def _conv(self, call):
+        a = call.attrs
+        w = call.args[1]
+        w = self.lookup_binding(w) if isinstance(w, relax.Var) else w
+        if (not isinstance(w, ir.Constant) or a.data_layout != "NCHW" or a.kernel_layout != "OIHW"
+                or (a.out_layout or "NCHW") != "NCHW" or str(call.ty.dtype) != "float32"):
+            return None
+        w = w.value.numpy()
+        out_c, in_per_group = w.shape[:2]
+        groups, view = int(a.groups), self._view_of(call.args[0])
+        x = call.args[0]
+        if groups == 1:
+            if view is not None:
+                x, w = view[0], _pad_axis(w, 1, int(view[0].ty.shape[1]))
+            wide = padded_channels(out_c, self.lanes)
+            if wide != out_c:
+                w = _pad_axis(w, 0, wide)
+            elif view is None:
+                return None
+        elif view is not None and in_per_group == 1 and groups == out_c == view[1]:
+            x, wide = view[0], int(view[0].ty.shape[1])  # depthwise: every channel its own
+            w, groups = _pad_axis(w, 0, wide), wide
+        else:
+            return None
+        self.count += 1
+        conv = relax.op.nn.conv2d(x, relax.const(w), strides=a.strides, padding=a.padding,
+                                  dilation=a.dilation, groups=groups, data_layout="NCHW",
+                                  kernel_layout="OIHW", out_layout="NCHW", out_dtype=a.out_dtype)
+        return self._emit_view(conv, out_c) if w.shape[0] != out_c else conv
+
+    def _elementwise(self, call):
+        views = [self._view_of(x) for x in call.args]
+        if not any(views):
+            return None
+        var, channels = next(v for v in views if v)
+        wide = int(var.ty.shape[1])
+        args = []
+        for x, view in zip(call.args, views):
+            if view is not None:
+                if int(view[0].ty.shape[1]) != wide:
+                    return None
+                args.append(view[0])
+                continue
+            if not isinstance(x.ty, relax.TensorType):
+                args.append(x)  # clip's bounds
+                continue
+            c = self.lookup_binding(x) if isinstance(x, relax.Var) else x
+            shape = _static_shape(x)
+            if shape is not None and len(shape) <= 1 and all(d == 1 for d in shape):
+                args.append(x)  # a scalar
+            elif isinstance(c, ir.Constant) and shape == [1, channels, 1, 1]:
+                args.append(relax.const(_pad_axis(c.value.numpy(), 1, wide)))  # per channel
+            else:
+                return None
+        return self._emit_view(relax.Call(call.op, args, call.attrs), channels)
+
+
+def pad_channels(mod, lanes: int):
+    """Convs whose output channels block badly (:func:`padded_channels`) compute whole blocks,
+    the extra channels from zero weights, through the convs, depthwise convs and element-wise
+    ops that follow, until something that needs the true channels slices them off. Exact.
+
+    On znver4 four 1x1 convs of 116 channels on 28x28 (ShuffleNetV2's) ran 0.85 ms in blocks of
+    4 (100 GFLOP/s), and of 128 channels, 22% more work, 0.45 ms in blocks of 16."""
+    padder = _ChannelPadder(mod, lanes)
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            padder.builder_.update_func(gv, padder.visit_expr(func))
+    if not padder.count:
+        return mod
+    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(padder.builder_.get()))
+
+
 def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: bool = True,
                       propagate: bool = True, stats: dict | None = None):
     """Rewrite the float32 convs of ``mod`` (an imported Relax module, before fusion) into TVM's
@@ -186,7 +317,7 @@ def pack_conv2d_nchwc(mod, target=None, lanes: int | None = None, depthwise: boo
     """
 
     lanes = lanes or simd_lanes(target)
-    mod = _clip_as_relax_ops(mod)
+    mod = pad_channels(_clip_as_relax_ops(mod), lanes)
     if propagate:
         with tvm.transform.PassContext(opt_level=3):
             mod = relax.transform.ConvertLayout(
