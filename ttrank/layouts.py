@@ -160,6 +160,11 @@ _PACKED_DATA = re.compile(r"^NCHW(\d+)c$")
 _PACKED_KERNEL = re.compile(r"^OIHW(\d+)i(\d+)o$")
 
 
+def _bound(mutator: PyExprMutator, expr):
+    """``expr``, or what the mutator has bound to it if it is a variable (None: a parameter)."""
+    return mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+
+
 def padded_channels(channels: int, lanes: int) -> int:
     """The channels a conv computes for ``channels`` outputs (``channels`` when it needs no
     more): when their largest block is at most a quarter of the lanes (ShuffleNetV2's 116 =
@@ -195,9 +200,8 @@ class _ChannelPadder(PyExprMutator):
         self.lanes, self.views, self.count = lanes, {}, 0
 
     def _view_of(self, expr):
-        if isinstance(expr, relax.Var):
-            expr = self.lookup_binding(expr)
-        return self.views.get(expr) if expr is not None else None
+        """(padded tensor, true channels) if ``expr`` is the view of a padded tensor, else None."""
+        return self.views.get(_bound(self, expr))
 
     def visit_call_(self, call):  # noqa: N802 - the mutator's hook name
         call = self.visit_expr_post_order(call)
@@ -219,8 +223,7 @@ class _ChannelPadder(PyExprMutator):
 
     def _conv(self, call):
         a = call.attrs
-        w = call.args[1]
-        w = self.lookup_binding(w) if isinstance(w, relax.Var) else w
+        w = _bound(self, call.args[1])
         if (not isinstance(w, ir.Constant) or a.data_layout != "NCHW" or a.kernel_layout != "OIHW"
                 or (a.out_layout or "NCHW") != "NCHW" or str(call.ty.dtype) != "float32"):
             return None
@@ -263,7 +266,7 @@ class _ChannelPadder(PyExprMutator):
             if not isinstance(x.ty, relax.TensorType):
                 args.append(x)  # clip's bounds
                 continue
-            c = self.lookup_binding(x) if isinstance(x, relax.Var) else x
+            c = _bound(self, x)
             shape = _static_shape(x)
             if shape is not None and len(shape) <= 1 and all(d == 1 for d in shape):
                 args.append(x)  # a scalar
@@ -402,9 +405,7 @@ class _Packer(PyExprMutator):
     # -- views -------------------------------------------------------------------------------
     def _view_of(self, expr):
         """(packed tensor, block) if ``expr`` is an NCHW view of a packed tensor, else None."""
-        if isinstance(expr, relax.Var):
-            expr = self.lookup_binding(expr)
-        return self.views.get(expr) if expr is not None else None
+        return self.views.get(_bound(self, expr))
 
     def _unpack(self, packed, block: int):
         """An NCHW view of ``packed`` (emitted when a consumer needs NCHW; dead otherwise)."""
@@ -418,7 +419,7 @@ class _Packer(PyExprMutator):
         view = self._view_of(x)
         if view is not None and view[1] == block:
             return view[0]
-        const = self.lookup_binding(x) if isinstance(x, relax.Var) else x
+        const = _bound(self, x)
         if isinstance(const, (ir.Constant, ir.GenericConst)):
             return self.builder_.emit(relax.op.layout_transform(const, _pack_map(block)))
         return self.builder_.emit(_gather(self.builder_, x, _pack_map(block)))
