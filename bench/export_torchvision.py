@@ -284,56 +284,73 @@ def build(name):
 
 
 def rm(path):
-    for p in (path, path + ".data"):
+    for p in (path, path + ".data", path[: -len(".onnx")] + ".args"):
         if os.path.exists(p):
             os.remove(p)
 
 
-def export_legacy(m, x, path, dynamic_axes=None):
+def export_legacy(m, x, path, dynamic_axes=None, input_names=("input",), output_names=("output",)):
     with torch.no_grad():
         torch.onnx.export(
             m, x, path, opset_version=17, dynamo=False,
-            input_names=["input"], output_names=["output"],
+            input_names=list(input_names), output_names=list(output_names),
             do_constant_folding=True, dynamic_axes=dynamic_axes,
         )
 
 
 def export_dynamo(m, x, path):
-    torch.onnx.export(m, (x,), path, dynamo=True, external_data=False)
+    torch.onnx.export(m, x if isinstance(x, tuple) else (x,), path, dynamo=True, external_data=False)
 
 
-def main(names):
-    fails_path = os.path.join(OUT, "export_failures.json")
+def export_all(out, jobs):
+    """Run ``jobs`` = [(file stem, write(path) -> ttrank args or None)]; each writes
+    OUT/<stem>.onnx, and OUT/<stem>.args when recommend needs arguments (bench/exports.py
+    passes them). Failures are kept in OUT/export_failures.json, and the rest go on."""
+    fails_path = os.path.join(out, "export_failures.json")
     fails = json.load(open(fails_path)) if os.path.exists(fails_path) else {}
-    jobs = []
-    for n in names:
-        jobs.append((n, n, "legacy"))
-        if n in DYNAMO:
-            jobs.append((n, n + "_dynamo", "dynamo"))
-        if n == "resnet34":
-            jobs.append((n, n + "_dynbatch", "legacy_dynbatch"))
-    for model, fname, kind in jobs:
-        path = os.path.join(OUT, fname + ".onnx")
+    for fname, write in jobs:
+        path = os.path.join(out, fname + ".onnx")
         rm(path)
-        print(f"[export] {fname} ({kind})", flush=True)
+        print(f"[export] {fname}", flush=True)
         try:
-            m, x = build(model)
-            if kind == "legacy":
-                export_legacy(m, x, path)
-            elif kind == "legacy_dynbatch":
-                export_legacy(m, x, path, {"input": {0: "N"}, "output": {0: "N"}})
-            else:
-                export_dynamo(m, x, path)
+            cli = write(path)
             if os.path.exists(path + ".data"):
                 raise RuntimeError("exporter wrote external data despite external_data=False")
+            if cli:
+                with open(path[: -len(".onnx")] + ".args", "w") as f:
+                    f.write(" ".join(cli) + "\n")
             fails.pop(fname, None)
             print(f"[ok] {fname} {os.path.getsize(path) / 2**20:.1f} MB", flush=True)
         except Exception as e:  # record and go on
             traceback.print_exc()
             rm(path)
-            fails[fname] = {"model": model, "exporter": kind, "error": one_line(e)}
+            fails[fname] = {"error": one_line(e)}
             print(f"[FAIL] {fname}: {one_line(e)}", flush=True)
-        json.dump(fails, open(fails_path, "w"), indent=1, sort_keys=True)
+        with open(fails_path, "w") as f:
+            json.dump(fails, f, indent=1, sort_keys=True)
+
+
+def writer(model, kind):
+    def write(path):
+        m, x = build(model)
+        if kind == "legacy":
+            export_legacy(m, x, path)
+        elif kind == "legacy_dynbatch":
+            export_legacy(m, x, path, {"input": {0: "N"}, "output": {0: "N"}})
+        else:
+            export_dynamo(m, x, path)
+    return write
+
+
+def main(names):
+    jobs = []
+    for n in names:
+        jobs.append((n, writer(n, "legacy")))
+        if n in DYNAMO:
+            jobs.append((n + "_dynamo", writer(n, "dynamo")))
+        if n == "resnet34":
+            jobs.append((n + "_dynbatch", writer(n, "legacy_dynbatch")))
+    export_all(OUT, jobs)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
     python bench/exports.py DIR [--only NAME ...] [--force] [--budget-minutes M]
 
-Every ``DIR/*.onnx`` (third-party exports: torchvision's models through torch.onnx, a
-detector from another toolchain, ...) runs through the CLI with the defaults and a fresh data
-dir (bench/recommend_bench.run_recommend), one after another and nothing else running. A run
+Every ``DIR/*.onnx`` (third-party exports: torchvision's, timm's and transformers' models
+through torch.onnx, a detector from another toolchain, ...) runs through the CLI with the
+defaults, a fresh data dir and no donors of the user's own (bench/recommend_bench.run_recommend),
+one after another and nothing else running. A run
 passes when recommend exits 0, which it does only when the compiled model's outputs match
-onnxruntime's. Results are kept per file in bench/results/exports.json (a file is rerun when
+onnxruntime's. ``DIR/NAME.args`` holds the file's extra arguments if it needs any (the
+--input-shape that binds a text model's dynamic axes). Results are kept per file in
+bench/results/exports.json (a file is rerun when
 its bytes, the shipped ranker or the commit changed, or with --force) and tabled in exports.md:
 ttrank's latency against onnxruntime's, timed in alternation in the same run, the phases, and
 the one line a failure ends with. No export is committed: bench/export_torchvision.py makes the
@@ -16,8 +19,11 @@ torchvision ones (it needs torch and torchvision, which ttrank does not).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import os
+import shlex
 import sys
 import tempfile
 import time
@@ -25,7 +31,32 @@ from pathlib import Path
 
 from ttrank.bench import head_commit, ranker_id, results_dir, run_recommend
 from ttrank.target import provenance
-from ttrank.util import atomic_write_json, atomic_write_text
+from ttrank.util import atomic_write_json, atomic_write_text, cache_dir
+
+# what a cache holds that follows from the shipped data alone (content-addressed): shared
+# between runs. The user's own donors (what --tune-missing tuned for an earlier file) are not
+DERIVED_CACHES = ("index", "program_features", "zoo", "rankers")
+
+
+@contextlib.contextmanager
+def new_user_cache(root: Path):
+    """A user cache at ``root`` with no donors of the user's own (TTRANK_CACHE, which the
+    recommend subprocess inherits): a file must not get what --tune-missing tuned for the files
+    before it, which a new user would not have."""
+    old = os.environ.get("TTRANK_CACHE")
+    shared = cache_dir()
+    root.mkdir(parents=True)
+    for sub in DERIVED_CACHES:
+        (shared / sub).mkdir(parents=True, exist_ok=True)
+        (root / sub).symlink_to(shared / sub)
+    os.environ["TTRANK_CACHE"] = str(root)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TTRANK_CACHE", None)
+        else:
+            os.environ["TTRANK_CACHE"] = old
 
 OUT = results_dir() / "exports.json"
 
@@ -95,15 +126,19 @@ def main() -> int:
         if args.budget_minutes is not None and time.time() - t0 > 60 * args.budget_minutes:
             print(f"exports: budget spent, {path.name} and after left for the next run")
             break
-        key = {"sha256_16": digest(path), "ranker": ranker, "commit": commit}
+        # an export with dynamic axes comes with the --input-shape that binds them
+        args_file = path.with_suffix(".args")
+        extra = shlex.split(args_file.read_text()) if args_file.exists() else []
+        key = {"sha256_16": digest(path), "ranker": ranker, "commit": commit, **({"args": extra} if extra else {})}
         old = rows.get(path.stem)
         if old and not args.force and all(old.get(k) == v for k, v in key.items()):
             continue
         with tempfile.TemporaryDirectory(prefix="ttrank-export-") as tmp:
             t = time.time()
             try:
-                report, wall, _, cmd = run_recommend(path.stem, Path(tmp), path=path,
-                                                     report_name=f"export_{path.stem}")
+                with new_user_cache(Path(tmp) / "cache"):
+                    report, wall, _, cmd = run_recommend(path.stem, Path(tmp), path=path, extra=tuple(extra),
+                                                         report_name=f"export_{path.stem}")
                 row = summarize(report, wall, cmd)
             except RuntimeError as e:
                 last = [ln for ln in str(e).splitlines() if ln.strip()][-1]

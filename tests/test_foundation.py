@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from ttrank import frontend, kernels, runtime, zoo
+from ttrank import frontend, graphopt, kernels, runtime, zoo
 from ttrank.cli import main
 from ttrank.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
 from ttrank.target import isa_intrinsics_module, make_target
@@ -419,6 +419,22 @@ def test_a_video_nets_3d_convs_compile_as_2d_convs_that_donors_cover(tmp_path):
     assert res.ok and res.max_abs_error < 1e-4
 
 
+def test_an_audio_nets_1d_convs_compile_as_2d_convs_that_donors_cover(tmp_path):
+    # wav2vec2's feature extractor and Whisper's stem: strided and padded 1-D convs
+    g = zoo.GraphBuilder("audio", seed=0)
+    x = g.relu(g.conv1d(g.input("wave", [1, 8, 50]), 8, 16, 5, 2))  # bias and ReLU: the epilogue
+    x = g.node("Conv", [x, g.weight((16, 16, 3), 0.2)], kernel_shape=[3], strides=[2])  # no bias, no padding
+    x = g.conv1d(x, 16, 16, 3, dilation=2)
+    x = g.conv1d(x, 16, 16, 3, groups=4)
+    g.output(g.node("Erf", [x]), [1, 16, 12])
+    onnx.save(g.model(), str(tmp_path / "audio.onnx"))
+    model = frontend.load(tmp_path / "audio.onnx")
+    assert not graphopt.uses_op(model.mod, "relax.nn.conv1d")
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def test_a_sequence_first_attention_runs_its_projections_as_rows_and_its_scores_on_whole_vectors(tmp_path):
     # torchvision's attention, as torch.onnx writes it: tokens first ([L, B, E]), the
     # projections by [E, 3E] weights, and Q K^T over 50 tokens (ViT-B/32)
@@ -438,6 +454,24 @@ def test_a_sequence_first_attention_runs_its_projections_as_rows_and_its_scores_
                        ("matmul+add", [1, 50, 96, 32]),  # not 50 products of one row
                        # the scores' 50 columns padded to 64 and sliced back
                        ("matmul+strided_slice_with_axes", [1, 50, 64, 32])], matmuls
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_gpt2s_tanh_gelu_cubes_by_products_not_by_powf(tmp_path):
+    # GELU as GPT-2 writes it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), after a linear
+    g = zoo.GraphBuilder("gelu_new", seed=0)
+    x = g.linear(g.input("x", [1, 16, 32]), 32, 64)
+    cube = g.node("Pow", [x, g.const(np.array(3.0, np.float32))])
+    inner = g.node("Mul", [g.node("Add", [x, g.node("Mul", [cube, g.const(np.array(0.044715, np.float32))])]),
+                           g.const(np.array(0.7978845608, np.float32))])
+    half = g.node("Mul", [x, g.const(np.array(0.5, np.float32))])
+    y = g.node("Mul", [half, g.node("Add", [g.node("Tanh", [inner]), g.const(np.array(1.0, np.float32))])])
+    g.output(g.node("Sqrt", [g.node("Pow", [g.node("Abs", [y]), g.const(np.array(2.0, np.float32))])]), [1, 16, 64])
+    onnx.save(g.model(), str(tmp_path / "gelu.onnx"))
+    model = frontend.load(tmp_path / "gelu.onnx")
+    assert not graphopt.uses_op(model.mod, "relax.power")
     ex = runtime.compile_model(model, make_target())
     res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
     assert res.ok and res.max_abs_error < 1e-4

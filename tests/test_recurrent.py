@@ -55,6 +55,10 @@ def _ort(model: onnx.ModelProto, feed: dict) -> list[np.ndarray]:
     ("LSTM", dict(activations=["HardSigmoid", "Tanh", "Softsign"], input_forget=1)),
     ("LSTM", dict(direction="bidirectional", initial=True, opset=9)),  # Slice and Squeeze by attributes
     ("GRU", dict(linear_before_reset=1, direction="bidirectional")),  # as PyTorch exports it
+    ("GRU", dict(linear_before_reset=0, direction="bidirectional", initial=True)),
+    ("LSTM", dict(direction="bidirectional", peepholes=True, clip=3.0)),
+    # directions whose activations differ step apart
+    ("LSTM", dict(direction="bidirectional", activations=["Sigmoid", "Tanh", "Tanh", "HardSigmoid", "Tanh", "Relu"])),
     ("GRU", dict(linear_before_reset=0, initial=True, opset=11)),
     ("RNN", dict(direction="reverse", initial=True, activations=["Relu"])),
 ])
@@ -63,6 +67,20 @@ def test_recurrent_layers_are_unrolled_into_what_onnxruntime_computes(kind, opti
     x = np.random.default_rng(1).normal(size=(5, 2, 3)).astype("float32")
     rewritten, ops = rewrite_unsupported(model)
     assert ops == [kind] and not any(n.op_type == kind for n in rewritten.graph.node)
+    for want, got in zip(_ort(model, {"x": x}), _ort(rewritten, {"x": x}), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_both_directions_of_a_layer_step_together(kind):
+    """A step's recurrent products are latency, not arithmetic: the forward direction's step s
+    and the reverse one's step T-1-s are one product, batched over the directions."""
+    model = _recurrent_model(kind, direction="bidirectional", steps=5, initial=True,
+                             **({"linear_before_reset": 1} if kind == "GRU" else {}))
+    rewritten, _ = rewrite_unsupported(model)
+    matmuls = [n for n in rewritten.graph.node if n.op_type == "MatMul"]
+    assert len(matmuls) == 2 + 5  # the two directions' input projections, then one a step
+    x = np.random.default_rng(1).normal(size=(5, 2, 3)).astype("float32")
     for want, got in zip(_ort(model, {"x": x}), _ort(rewritten, {"x": x}), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

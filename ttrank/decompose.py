@@ -170,9 +170,9 @@ def _activation(g: _Graph, name: str, alpha: float | None, beta: float | None) -
                                        "stanh"), g.const("alpha", np.float32(a))], "stanh")
 
 
-def _activations(g: _Graph, node: onnx.NodeProto, at: dict, directions: int) -> list[list[Callable]]:
-    """Per direction, the op's activation functions (f, g, h), alphas and betas consumed in
-    order by the activations that take one."""
+def _activation_specs(g: _Graph, node: onnx.NodeProto, at: dict, directions: int) -> list[list[tuple]]:
+    """Per direction, the op's activations (f, g, h) as (name, alpha, beta), alphas and betas
+    consumed in order by the activations that take one."""
     per = len(_DEFAULT_ACTIVATIONS[node.op_type])
     names = list(at.get("activations") or _DEFAULT_ACTIVATIONS[node.op_type] * directions)
     if len(names) == per and directions == 2:
@@ -181,20 +181,26 @@ def _activations(g: _Graph, node: onnx.NodeProto, at: dict, directions: int) -> 
         raise UnsupportedOpError(f"{g.path}: {node.op_type} {node.name!r}: {len(names)} activations "
                                  f"for {directions} direction(s)")
     alphas, betas = list(at.get("activation_alpha") or []), list(at.get("activation_beta") or [])
-    fns = []
+    specs = []
     for nm in names:
         s = nm.decode() if isinstance(nm, bytes) else nm
         takes_a = s.lower() in {k.lower() for k in _ALPHA}
         takes_b = s.lower() in {k.lower() for k in _BETA}
         a = alphas.pop(0) if takes_a and alphas else None
         b = betas.pop(0) if takes_b and betas else None
-        fns.append(_activation(g, s, a, b))
-    return [fns[d * per:(d + 1) * per] for d in range(directions)]
+        specs.append((s, a, b))
+    return [specs[d * per:(d + 1) * per] for d in range(directions)]
 
 
 def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
     """LSTM, GRU or RNN, unrolled: the input projections of all steps and gates in one MatMul,
-    then per step one recurrent MatMul for all gates and the gate arithmetic of the ONNX spec."""
+    then per step one recurrent MatMul for all gates and the gate arithmetic of the ONNX spec.
+
+    The two directions of a bidirectional layer step together when their activations are the
+    same (as every exporter writes them): step s is the forward direction's step s and the
+    reverse one's step T-1-s, as one MatMul batched over the directions and one set of gate
+    kernels. A recurrent layer's time is its per-step kernels' launches, one-row products
+    that cannot use the cores, so that halves it."""
     kind, gates = node.op_type, RECURRENT_GATES[node.op_type]
     at = _attrs(node)
     direction = at.get("direction", b"forward")
@@ -230,8 +236,13 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
         init_h = g.op("Transpose", [init_h], "h0", perm=[1, 0, 2])
     if init_c and layout == 1:
         init_c = g.op("Transpose", [init_c], "c0", perm=[1, 0, 2])
-    acts = _activations(g, node, at, len(dirs))
+    specs = _activation_specs(g, node, at, len(dirs))
     lbr = int(at.get("linear_before_reset", 0))
+    sl = {gate: slice(i * H, (i + 1) * H) for i, gate in enumerate(gates)}
+    # the gates whose recurrent term is h R^T: one MatMul a step for all of them (GRU's h~
+    # without linear_before_reset takes (r * h) R^T, its own MatMul)
+    rec = [gate for gate in gates if not (kind == "GRU" and gate == "h" and not lbr)]
+    backwards = g.const("backwards", np.arange(steps - 1, -1, -1, dtype=np.int64))
 
     def clipped(v: str) -> str:
         if clip is None:
@@ -239,34 +250,65 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
         lo, hi = g.const("clip_lo", np.array(-clip, W.dtype)), g.const("clip_hi", np.array(clip, W.dtype))
         return g.op("Min", [g.op("Max", [v, lo], "clip"), hi], "clip")
 
-    ys, last_h, last_c = [], [], []
-    for d, reverse in enumerate(dirs):
-        f, gg, hh = (acts[d] + [None, None])[:3]
-        wd, rd = W[d], R[d]
-        wb = B[d][:G * H] if B is not None else np.zeros(G * H, W.dtype)
-        rb = B[d][G * H:] if B is not None else np.zeros(G * H, W.dtype)
-        sl = {gate: slice(i * H, (i + 1) * H) for i, gate in enumerate(gates)}
-        # every gate's input projection for every step in one MatMul: [seq, batch, G*H]; GRU's
-        # recurrent bias of h~ goes inside r * (...) when linear_before_reset, so not here
+    def biases(d: int) -> tuple[np.ndarray, np.ndarray]:
+        return ((B[d][:G * H], B[d][G * H:]) if B is not None
+                else (np.zeros(G * H, W.dtype), np.zeros(G * H, W.dtype)))
+
+    def projection(d: int) -> str:
+        """Every gate's input projection for every step of direction ``d`` in one MatMul:
+        [seq, batch, G*H]. GRU's recurrent bias of h~ goes inside r * (...) when
+        linear_before_reset, so not here."""
+        wb, rb = biases(d)
         bias = wb + rb
         if kind == "GRU" and lbr:
             bias[sl["h"]] = wb[sl["h"]]
-        xw = g.op("Add", [g.op("MatMul", [x, g.const("w", wd.T)], "xw"), g.const("b", bias.astype(W.dtype))], "xw")
-        # a step keeps its axis ([1, batch, G*H]): a Squeeze would be one more kernel a step
-        xs = g.split(xw, steps, "x", squeeze=False)
-        # the gates whose recurrent term is h R^T: one MatMul a step for all of them (GRU's h~
-        # without linear_before_reset takes (r * h) R^T, its own MatMul)
-        rec = [gate for gate in gates if not (kind == "GRU" and gate == "h" and not lbr)]
-        r_rec = g.const("r", np.concatenate([rd[sl[gate]] for gate in rec]).T)
-        r_bias = (g.const("rb", np.concatenate([rb[sl[gt]] if gt == "h" else np.zeros(H, W.dtype) for gt in rec]))
+        return g.op("Add", [g.op("MatMul", [x, g.const("w", W[d].T)], "xw"),
+                            g.const("b", bias.astype(W.dtype))], "xw")
+
+    ys, last_h, last_c = [], [], []
+    together = len(dirs) == 2 and specs[0] == specs[1]
+    for ds in ([[0, 1]] if together else [[d] for d in range(len(dirs))]):
+        n = len(ds)
+        f, gg, hh = ([_activation(g, *sp) for sp in specs[ds[0]]] + [None, None])[:3]
+
+        def stacked(hint: str, arrays: list[np.ndarray], matrix: bool = False) -> str:
+            """Per-direction constants: one direction's as they are; two stacked on an axis
+            that broadcasts against the steps' [1, 2, batch, K] (vectors as [2, 1, K])."""
+            if n == 1:
+                return g.const(hint, arrays[0])
+            a = np.stack(arrays)
+            return g.const(hint, a if matrix else a[:, None, :])
+
+        if n == 1:
+            # a step keeps its axis ([1, batch, G*H]): a Squeeze would be one more kernel a step
+            xs = g.split(projection(ds[0]), steps, "x", squeeze=False)
+            order = list(reversed(range(steps)) if dirs[ds[0]] else range(steps))
+        else:
+            # [seq, 2, batch, G*H]: the reverse direction's projections in its own step order
+            parts = [projection(0), g.op("Gather", [projection(1), backwards], "xw_rev", axis=0)]
+            both = g.op("Concat", [g.op("Reshape", [p, g.const("shape", np.array([steps, 1, -1, G * H], np.int64))],
+                                        "xw") for p in parts], "xw", axis=1)
+            xs, order = g.split(both, steps, "x", squeeze=False), list(range(steps))
+        r_rec = stacked("r", [np.concatenate([R[d][sl[gate]] for gate in rec]).T for d in ds], matrix=True)
+        r_bias = (stacked("rb", [np.concatenate([biases(d)[1][sl[gt]] if gt == "h" else np.zeros(H, W.dtype)
+                                                 for gt in rec]) for d in ds])
                   if kind == "GRU" and lbr else None)
-        r_h = g.const("rh", rd[sl["h"]].T) if kind == "GRU" and not lbr else None
-        h = g.split(init_h, len(dirs), "h0", squeeze=False)[d] if init_h else None
-        c = g.split(init_c, len(dirs), "c0", squeeze=False)[d] if init_c else None
+        r_h = stacked("rh", [R[d][sl["h"]].T for d in ds], matrix=True) if kind == "GRU" and not lbr else None
+        start_shape = g.const("shape", np.array([1, n, -1, H], np.int64))
+
+        def initial(v: str | None) -> str | None:
+            if v is None:
+                return None
+            if n == 1:
+                return g.split(v, len(dirs), "h0", squeeze=False)[ds[0]]
+            return g.op("Reshape", [v, start_shape], "h0")
+
+        h, c = initial(init_h), initial(init_c)
         # peepholes, in P's order i, o, f
-        peeps = {k: g.const(f"p{k}", P[d][i * H:(i + 1) * H]) for i, k in enumerate("iof")} if P is not None else {}
+        peeps = ({k: stacked(f"p{k}", [P[d][i * H:(i + 1) * H] for d in ds]) for i, k in enumerate("iof")}
+                 if P is not None else {})
         outs = {}
-        for t in (reversed(range(steps)) if reverse else range(steps)):
+        for t in order:
             xt = dict(zip(gates, g.gates(xs[t], G, H, "xg")))
             if h is not None:
                 hr = g.op("MatMul", [h, r_rec], "hr")
@@ -296,7 +338,7 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
             elif kind == "GRU":
                 z_t, r_t = f(clipped(pre("z"))), f(clipped(pre("r")))
                 if lbr:  # h~ = g(x Wh^T + Wbh + r * (h Rh^T + Rbh))
-                    rec_h = ht["h"] if h is not None else g.const("rbh", rb[sl["h"]])
+                    rec_h = ht["h"] if h is not None else stacked("rbh", [biases(d)[1][sl["h"]] for d in ds])
                     cand = g.op("Add", [xt["h"], g.op("Mul", [r_t, rec_h], "rh")], "pre")
                 elif h is None:  # (r * 0) Rh^T vanishes
                     cand = xt["h"]
@@ -311,11 +353,17 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
             else:
                 h = f(clipped(pre("i")))
             outs[t] = h
-        ys.append(g.op("Concat", [g.op("Reshape", [outs[t], g.const("shape", np.array([1, 1, -1, H], np.int64))],
-                                       "y_t") for t in range(steps)], "y", axis=0))
-        last_h.append(g.op("Reshape", [h, g.const("shape", np.array([1, -1, H], np.int64))], "h_last"))
+        step_shape = g.const("shape", np.array([1, 1, -1, H], np.int64))
+        y = g.op("Concat", [outs[t] if n == 2 else g.op("Reshape", [outs[t], step_shape], "y_t")
+                            for t in range(steps)], "y", axis=0)
+        if n == 1:
+            ys.append(y)
+        else:  # [seq, 2, batch, H] in step order; the reverse direction's back in time order
+            fwd, rev = g.split(y, 2, "y", axis=1, squeeze=False)
+            ys += [fwd, g.op("Gather", [rev, backwards], "y_rev", axis=0)]
+        last_h.append(g.op("Reshape", [h, g.const("shape", np.array([n, -1, H], np.int64))], "h_last"))
         if kind == "LSTM":
-            last_c.append(g.op("Reshape", [c, g.const("shape", np.array([1, -1, H], np.int64))], "c_last"))
+            last_c.append(g.op("Reshape", [c, g.const("shape", np.array([n, -1, H], np.int64))], "c_last"))
     outputs = list(node.output) + [""] * 3
 
     def emit(parts: list[str], axis: int, perm: list[int] | None, name: str) -> None:
