@@ -424,12 +424,32 @@ def test_an_audio_nets_1d_convs_compile_as_2d_convs_that_donors_cover(tmp_path):
     g = zoo.GraphBuilder("audio", seed=0)
     x = g.relu(g.conv1d(g.input("wave", [1, 8, 50]), 8, 16, 5, 2))  # bias and ReLU: the epilogue
     x = g.node("Conv", [x, g.weight((16, 16, 3), 0.2)], kernel_shape=[3], strides=[2])  # no bias, no padding
-    x = g.conv1d(x, 16, 16, 3, dilation=2)
+    x = g.relu(g.node("Add", [g.conv1d(x, 16, 16, 3, dilation=2), x]))  # a residual block
     x = g.conv1d(x, 16, 16, 3, groups=4)
     g.output(g.node("Erf", [x]), [1, 16, 12])
     onnx.save(g.model(), str(tmp_path / "audio.onnx"))
     model = frontend.load(tmp_path / "audio.onnx")
     assert not graphopt.uses_op(model.mod, "relax.nn.conv1d")
+    # the residual sum and its ReLU stay in the conv's epilogue, as they were in the conv1d's
+    assert "conv2d_nchw+add+add+relu" in {k.workload_class for k in kernels.extract(model.mod)}
+    ex = runtime.compile_model(model, make_target())
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
+def test_a_segmentation_heads_fuse_conv_runs_before_its_upsampling(tmp_path):
+    # SegFormer's head: each scale upsampled to the largest (that one resized to its own
+    # size), concatenated, fused by a 1x1 conv, ReLU
+    g = zoo.GraphBuilder("seg_head", seed=0)
+    scales = [g.input(f"s{i}", [1, 8, 16 >> i, 16 >> i]) for i in range(3)]
+    up = [g.node("Resize", [x, "", "", g.const(np.array([1, 8, 16, 16], np.int64))], mode="linear")
+          for x in scales]
+    g.output(g.relu(g.conv(g.node("Concat", up, axis=1), 24, 6, 1)), [1, 6, 16, 16])
+    onnx.save(g.model(), str(tmp_path / "head.onnx"))
+    model = frontend.load(tmp_path / "head.onnx")
+    assert not graphopt.uses_op(model.mod, "relax.concat")
+    convs = sorted(k.extents[2:4] for k in kernels.extract(model.mod) if "conv" in k.anchor_op)
+    assert convs == [[4, 4], [8, 8], [16, 16]], convs  # each at its own scale
     ex = runtime.compile_model(model, make_target())
     res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
     assert res.ok and res.max_abs_error < 1e-4

@@ -50,31 +50,41 @@ def test_the_policy_follows_the_ranker_and_its_calibration(trained):
     assert (p.gap, p.full_share) == (0.2, 0.03) and p.to_json()["policy"] == "AdaptiveK"
 
 
-def _kernel(name: str, flops: float = 1e9) -> Kernel:
-    return Kernel(name, "c", "conv2d_nchw", "SSSSRRR", [1, 8, 8, 8, 8, 3, 3], [], {}, [], [1], "float32",
+def _kernel(name: str, flops: float = 1e9, workload_class: str = "conv2d_transpose") -> Kernel:
+    return Kernel(name, workload_class, "conv2d_nchw", "SSSSRRR", [1, 8, 8, 8, 8, 3, 3], [], {}, [], [1], "float32",
                   flops)
 
 
 def test_recommend_tunes_what_no_donor_covers_for_what_it_can_save():
     """The search time for uncovered kernels scales with their share of the model: a small
-    pooling kernel is left alone; two transposed convs that hold most of the model split the budget."""
+    pooling kernel is left alone; two transposed convs that hold most of the model share the
+    whole budget in one search."""
     convs = [_kernel(f"conv{i}") for i in range(4)]
-    pool = _kernel("max_pool2d", flops=0.0)
+    pool = _kernel("max_pool2d", flops=0.0, workload_class="pool")
     best = {"conv0": 0.010, "conv1": 0.010, "conv2": 0.030, "conv3": 0.049, "max_pool2d": 0.0015}
     covered = {"conv0", "conv1", "conv2", "conv3"}
     # ResNet-18's case: only a 1.5% pooling kernel lacks a schedule; at best tuning saves 1.5%
     assert plan_missing([*convs, pool], best, covered, budget_s=120) == []
     best["max_pool2d"] = 0.0005
     # a DB-style head: two transposed convs without donors hold 79% of the model
-    best2 = best
-    plans = plan_missing([*convs, pool], best2, {"conv0", "conv1"}, budget_s=120)
-    assert [p.kernel.name for p in plans] == ["conv3", "conv2"]  # the largest first
-    assert sum(p.seconds for p in plans) == pytest.approx(120)  # over full_share: the whole budget
-    assert plans[0].seconds > plans[1].seconds >= 20 and plans[0].trials == 64
+    (plan,) = plan_missing([*convs, pool], best, {"conv0", "conv1"}, budget_s=120)
+    assert [k.name for k in plan.kernels] == ["conv3", "conv2"]  # the largest leads
+    assert plan.seconds == pytest.approx(120) and plan.trials == 64  # over full_share: the whole budget
     # half the share, half the budget; and a flag of 0 turns it off
     half = plan_missing([*convs, pool], {**best, "conv3": 0.016}, {"conv0", "conv1", "conv2"}, 120)
     assert len(half) == 1 and 30 < half[0].seconds < 60
-    assert plan_missing([*convs, pool], best2, {"conv0", "conv1"}, budget_s=0) == []
+    assert plan_missing([*convs, pool], best, {"conv0", "conv1"}, budget_s=0) == []
+
+
+def test_a_class_of_small_uncovered_kernels_is_tuned_in_one_search():
+    """A U-Net's GroupNorm statistics at six resolutions: none is a tenth of the model, so each
+    alone would get too little of the budget to search; together they get one search."""
+    convs = [_kernel(f"conv{i}", workload_class="conv2d") for i in range(3)]
+    norms = [_kernel(f"variance{i}", flops=1e6, workload_class="reduce+sqrt") for i in range(6)]
+    best = {"conv0": 0.3, "conv1": 0.3, "conv2": 0.3, **{f"variance{i}": 0.006 + 0.004 * i for i in range(6)}}
+    (plan,) = plan_missing([*convs, *norms], best, {"conv0", "conv1", "conv2"}, budget_s=120)
+    assert plan.kernel.name == "variance5" and len(plan.siblings) == 5
+    assert plan.seconds >= 20
 
 
 def test_policy_curve_trades_candidates_for_quality():

@@ -47,12 +47,20 @@ def coverage(kernels: list[Kernel], store: DonorStore,
 
 @dataclass
 class TuningPlan:
-    """A kernel ``recommend`` tunes itself, and the share of the budget it gets."""
+    """Kernels ``recommend`` tunes itself in one search, and the share of the budget it gets:
+    ``kernel``, the largest, and ``siblings``, the model's other uncovered kernels of its
+    workload class (GroupNorm's statistics at each resolution of a U-Net), whose searches
+    share that budget."""
 
     kernel: Kernel
     share: float  # of the model's estimated time once the chosen schedules are in
     seconds: float
-    trials: int
+    trials: int  # per kernel
+    siblings: tuple[Kernel, ...] = ()
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [self.kernel, *self.siblings]
 
 
 def choose_layout(model: LoadedModel, store: DonorStore, target,
@@ -124,31 +132,38 @@ def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered
     """Which kernels without a good schedule to tune natively, and for how long.
 
     ``best_s``: each kernel's latency with what was chosen for it (untuned if nothing was);
-    ``covered``: the kernels that got a transferred schedule. A kernel left at its default
-    schedule whose share of the estimated model time is at least ``min_share`` is tuned. What
-    they may spend scales with what they can save: all of ``budget_s`` once they hold
-    ``full_share`` of the model or more, a proportional part below that, split among them by
-    share (the largest first, at least ``min_seconds`` each). A kernel with no arithmetic
+    ``covered``: the kernels that got a transferred schedule. The kernels left at their default
+    schedule are tuned by workload class, one search per class whose share of the estimated
+    model time is at least ``min_share``. What they may spend scales with what they can save:
+    all of ``budget_s`` once they hold ``full_share`` of the model or more, a proportional part
+    below that, split among the classes by share (the largest first, at least ``min_seconds``
+    each). A kernel with no arithmetic
     (copies, resizes) needs few trials: its search space is small.
     """
     est = {k.name: k.weight * (best_s.get(k.name) or 0.0) for k in kernels}
     total = sum(est.values())
     if budget_s <= 0 or total <= 0:
         return []
-    left = [k for k in kernels if k.name not in covered and est[k.name] / total >= min_share]
-    left.sort(key=lambda k: -est[k.name])
-    share_left = sum(est[k.name] for k in left) / total
+    # kernels of one workload class search together: one of them alone may be under
+    # min_share, or get too little time, while the class holds much of the model
+    groups: dict[str, list[Kernel]] = {}
+    for k in sorted((k for k in kernels if k.name not in covered and est[k.name] > 0), key=lambda k: -est[k.name]):
+        groups.setdefault(k.workload_class, []).append(k)
+    share_of = {c: sum(est[k.name] for k in ks) / total for c, ks in groups.items()}
+    left = sorted((c for c in groups if share_of[c] >= min_share), key=lambda c: -share_of[c])
+    share_left = sum(share_of[c] for c in left)
     # a 2% pooling kernel is not worth two minutes of search: at best it saves 2% of the model
     budget_s = budget_s * min(1.0, share_left / full_share)
     plans, spent = [], 0.0
-    for k in left:
-        share = est[k.name] / total
+    for c in left:
+        lead, *siblings = groups[c]
+        share = share_of[c]
         secs = max(min_seconds, budget_s * share / share_left)
         secs = min(secs, budget_s - spent)
         if secs < min_seconds:
             break
-        trials = max_trials if k.flops > 0 else max(8, max_trials // 4)
-        plans.append(TuningPlan(k, share, secs, trials))
+        trials = max_trials if lead.flops > 0 else max(8, max_trials // 4)
+        plans.append(TuningPlan(lead, share, secs, trials, tuple(siblings)))
         spent += secs
     return plans
 

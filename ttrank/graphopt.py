@@ -192,26 +192,30 @@ def _epilogue(y, bias, epilogue: int):
 def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
     """Rewrite a 1-D conv (speech and audio front-ends: wav2vec2's feature extractor, Whisper's
     stem, keyword spotters, TCNs) as a 2-D conv over ``[N, C, 1, W]`` with a ``1 x k`` kernel,
-    the op every CNN donor covers and the packed layouts reach, its bias and ReLU fused in
-    the 2-D conv's epilogue.
+    the op every CNN donor covers and the packed layouts reach, its bias, a residual sum and
+    ReLU fused in the 2-D conv's epilogue.
 
     A conv1d has donors only from the zoo's one audio network: wav2vec2's strided 512-channel
     convs ran at 61-154 GFLOP/s on znver4 with them, where the zoo's 2-D convs reach 200+.
     """
     if not uses_op(mod, "relax.nn.conv1d"):
         return mod
-    data, weight, bias = wildcard(), is_const(), is_const()
+    data, weight, bias, other = wildcard(), is_const(), is_const(), wildcard()
     conv = is_op("relax.nn.conv1d")(data, weight)
     biased = is_op("relax.add")(conv, bias)
     relu = is_op("relax.nn.relu")(biased)
+    # a residual block's sum, and its ReLU: in the 2-D conv's epilogue too, as a conv1d's were
+    residual = is_op("relax.add")(biased, other)
+    residual_relu = is_op("relax.nn.relu")(residual)
 
-    def rewriter_for(epilogue: int):
+    def rewriter_for(epilogue: int, with_residual: bool = False):
         def rewriter(expr, matches):
             call = matches[conv]
             a = call.attrs
             shape, oshape = static_dims(call.args[0].ty), static_dims(call.ty)
             if (a.data_layout != "NCW" or a.kernel_layout != "OIW" or (a.out_layout or "NCW") != "NCW"
-                    or shape is None or oshape is None):
+                    or shape is None or oshape is None
+                    or (with_residual and static_dims(matches[other].ty) != oshape)):
                 return expr
             w = matches[weight].value.numpy()
             o, cg, k = w.shape
@@ -224,10 +228,25 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
                 relax.const(w.reshape(o, cg, 1, k)), strides=[1, int(a.strides[0])],
                 padding=[0, left, 0, right], dilation=[1, int(a.dilation[0])], groups=int(a.groups),
                 out_dtype=a.out_dtype)
-            return relax.op.reshape(_epilogue(y, b, epilogue), oshape)
+            if with_residual:
+                y = relax.op.add(relax.op.add(y, b), relax.op.reshape(matches[other], [*oshape[:2], 1, oshape[2]]))
+                y = relax.op.nn.relu(y) if epilogue >= 2 else y
+            else:
+                y = _epilogue(y, b, epilogue)
+            return relax.op.reshape(y, oshape)
         return rewriter
 
-    _rewrite(mod, [(relu, rewriter_for(2)), (biased, rewriter_for(1)), (conv, rewriter_for(0))])
+    _rewrite(mod, [(residual_relu, rewriter_for(2, True)), (residual, rewriter_for(1, True)),
+                   (relu, rewriter_for(2)), (biased, rewriter_for(1)), (conv, rewriter_for(0))])
+    # one conv's output back to [N, C, W] and into the next as [N, C, 1, W]: no copy between
+    inner = wildcard()
+    round_trip = is_op("relax.reshape")(is_op("relax.reshape")(inner, wildcard()), wildcard())
+
+    def straight_through(expr, matches):
+        x = matches[inner]
+        return x if static_dims(x.ty) is not None and static_dims(x.ty) == static_dims(expr.ty) else expr
+
+    _rewrite(mod, [(round_trip, straight_through)])
     return mod
 
 
@@ -303,6 +322,91 @@ def conv3d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
         return rewriter
 
     _rewrite(mod, [(relu, rewriter_for(2)), (biased, rewriter_for(1)), (conv, rewriter_for(0))])
+    return mod
+
+
+# resizes whose weights are a fixed linear combination of input pixels (every method; not
+# tf_crop_and_resize, which writes extrapolation_value outside its box), and those of them
+# that are the identity when the size does not change
+_LINEAR_RESIZE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_half_pixel_for_nn")
+_IDENTITY_RESIZE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
+
+
+def pointwise_conv_before_resize(mod: tvm.IRModule) -> tvm.IRModule:
+    """A 1x1 conv over a channel concat of resized maps (SegFormer's all-MLP head, HRNet's
+    segmentation head: every scale upsampled to the largest, concatenated, fused by a 1x1
+    conv) as the sum of 1x1 convs on each map before its resize.
+
+    A resize mixes pixels with fixed weights and a 1x1 conv mixes channels, so they commute:
+    ``conv(concat(resize(x_i)), W) = sum_i resize(conv(x_i, W_i))`` with ``W_i`` the weight's
+    columns of part ``i``. Each part's conv runs at its own resolution, and neither the
+    upsampled maps nor their concat is written. The full-resolution part's conv takes the
+    sum of the others as its residual epilogue. A resize to the size it already has is
+    dropped. SegFormer-B0 at 512x512: its 1024-channel concat of four bilinear resizes took
+    55 ms on znver4 and the conv over it 41 ms, against onnxruntime's 148 ms for the model."""
+    if not uses_op(mod, "relax.image.resize2d"):
+        return mod
+    values = {v: val for func in mod.functions.values() if isinstance(func, relax.Function)
+              for v, val in relax.analysis.get_var2val(func).items()}
+    parts, weight = wildcard(), is_const()
+    concat = is_op("relax.concat")(parts)
+    conv = is_op("relax.nn.conv2d")(concat, weight)
+
+    def resize_of(item):
+        """``item``'s resize call when it is one of the linear ones in NCHW, else None."""
+        val = values.get(item, item)
+        if (isinstance(val, relax.Call) and isinstance(val.op, ir.Op) and val.op.name == "relax.image.resize2d"
+                and val.attrs.layout == "NCHW" and val.attrs.coordinate_transformation_mode in _LINEAR_RESIZE_MODES):
+            return val
+        return None
+
+    def rewriter(expr, matches):
+        a, w = expr.attrs, matches[weight].value.numpy()
+        cat = matches[concat]
+        items = values.get(matches[parts], matches[parts])
+        oshape = static_dims(expr.ty)
+        if (a.data_layout != "NCHW" or a.kernel_layout != "OIHW" or (a.out_layout or "NCHW") != "NCHW"
+                or w.shape[2:] != (1, 1) or int(a.groups) != 1 or any(int(x) != 1 for x in a.strides)
+                or any(int(x) != 0 for x in a.padding) or int(cat.attrs.axis) not in (1, -3)
+                or not isinstance(items, relax.Tuple) or oshape is None):
+            return expr
+        widths = [static_dims(item.ty) for item in items.fields]
+        if any(d is None for d in widths) or all(resize_of(item) is None for item in items.fields):
+            return expr
+        full, full_w, low, c0 = [], [], [], 0
+        for item, dims in zip(items.fields, widths):
+            w_i = np.ascontiguousarray(w[:, c0:c0 + dims[1]])
+            c0 += dims[1]
+            r = resize_of(item)
+            src = static_dims(r.args[0].ty) if r is not None else None
+            if r is not None and src is not None and src[2] * src[3] < dims[2] * dims[3]:
+                # at the map's own size, then upsampled
+                y = relax.op.nn.conv2d(r.args[0], relax.const(w_i), out_dtype=a.out_dtype)
+                low.append(relax.Call(r.op, [y, *r.args[1:]], r.attrs))
+                continue
+            if (r is not None and src == dims
+                    and r.attrs.coordinate_transformation_mode in _IDENTITY_RESIZE_MODES):
+                item = r.args[0]  # a resize to its own size
+            full.append(item)
+            full_w.append(w_i)
+        if not low:
+            return expr
+        # the full-size parts stay one conv over their concat (DeepLabV3's ASPP branches); the
+        # sum of the upsampled ones is its residual epilogue
+        terms = low
+        if full:
+            x = full[0] if len(full) == 1 else relax.op.concat(full, axis=1)
+            terms = [relax.op.nn.conv2d(x, relax.const(np.concatenate(full_w, axis=1)), out_dtype=a.out_dtype),
+                     *low]
+        y = terms[0]
+        if len(terms) > 1:
+            total = terms[1]
+            for t in terms[2:]:
+                total = relax.op.add(total, t)
+            y = relax.op.add(y, total)
+        return y
+
+    _rewrite(mod, [(conv, rewriter)])
     return mod
 
 
@@ -592,12 +696,13 @@ def pad_conv_outputs(mod: tvm.IRModule) -> tvm.IRModule:
 
 def clean_up(mod: tvm.IRModule) -> tvm.IRModule:
     """Every clean-up, in order: constant reshapes, then batch norms (they fold into a
-    transposed conv too), transposed convs that are 1x1 convs, 3-D and 1-D convs as 2-D convs, dilated
-    convs split into the zones that read their input, conv outputs padded to tileable extents,
-    matmul rows as [1, M, K], matmul weights padded to whole vectors, constant powers as products."""
+    transposed conv too), transposed convs that are 1x1 convs, 3-D and 1-D convs as 2-D convs,
+    1x1 convs over concatenated resizes before the resizes, dilated convs split into the zones
+    that read their input, conv outputs padded to tileable extents, matmul rows as [1, M, K],
+    matmul weights padded to whole vectors, constant powers as products."""
     return powers_as_products(pad_matmul_columns(flatten_matmul_rows(pad_conv_outputs(dilated_conv_zones(
-        conv1d_as_conv2d(conv3d_as_conv2d(conv_transpose_as_conv(fold_batch_norms(
-            fold_constant_transforms(mod))))))))))
+        pointwise_conv_before_resize(conv1d_as_conv2d(conv3d_as_conv2d(conv_transpose_as_conv(
+            fold_batch_norms(fold_constant_transforms(mod)))))))))))
 
 
 _INDEX_OPS = {tirx.Add: np.add, tirx.Sub: np.subtract, tirx.Mul: np.multiply,

@@ -21,7 +21,7 @@ from pathlib import Path
 from tvm.s_tir import meta_schedule as ms
 
 from . import measurements
-from .coverage import plan_missing
+from .coverage import TuningPlan, plan_missing
 from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
 from .features import parse_trace
@@ -790,7 +790,8 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
                   chosen: dict[str, Transferred], reports: dict[str, KernelReport], budget_s: float,
                   target, progress: Progress, runner: RunnerSpec | None = None):
     """MetaSchedule for what transfer left at the default schedule, when it matters: a budget
-    split by each kernel's share of the estimated model time. The records go to the user's
+    split by each workload class's share of the estimated model time, the kernels of a class
+    in one search (:func:`ttrank.coverage.plan_missing`). The records go to the user's
     donor store, so the next model with such a kernel gets them by transfer, and a rerun of
     this model reuses them instead of tuning again. Over RPC (``runner``), the search measures
     on the devices, with tune's own runner settings. Returns that database, or None."""
@@ -809,36 +810,47 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         rep = reports[k.name]
         progress("tuning", i + 1, len(plans), k.name)
         # the search starts from what transfer reached (a design-space sample, a weak donor)
-        start = chosen.get(k.name)
-        seeds = ({k.workload_hash: [Seed(k.workload_hash, start.trace, rep.best_s)]}
-                 if start is not None and start.seedable and rep.best_s else None)
+        seeds = {}
+        for kk in plan.kernels:
+            start, best_s = chosen.get(kk.name), reports[kk.name].best_s
+            if start is not None and start.seedable and best_s:
+                seeds[kk.workload_hash] = [Seed(kk.workload_hash, start.trace, best_s)]
         # small batches, so that the budget is checked often. MetaSchedule appends to the
         # database itself: a second recommend of this model waits here (the lock `ttrank
         # tune` holds), then finds the trials done
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[k.name], trials_per_iter=8, seeds=seeds,
-                       runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(rep.best_s)))
+                       only=[kk.name for kk in plan.kernels], trials_per_iter=8, seeds=seeds or None,
+                       runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(
+                           max((reports[kk.name].best_s or 0.0 for kk in plan.kernels), default=0.0) or None)))
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
-        recs = extra_db.get_top_k(extra_db.commit_workload(k.mod), 1)
-        best = min(float(x) for x in recs[0].run_secs) if recs else None
         wall = time.time() - t_k
-        rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
-                      "search_seconds": round(wall - run.setup_s, 1), "setup_s": round(run.setup_s, 1),
-                      "search_began_at": round(run.search_clock0, 3),  # on trials.jsonl's clock
-                      "trials": plan.trials, "share": round(plan.share, 4),
-                      "before_s": rep.best_s, "after_s": best, "work_dir": str(work)}
-        if best is None or (rep.best_s is not None and best >= rep.best_s):
-            rep.why = f"{rep.why}; MetaSchedule found nothing faster in {rep.tuning['seconds']:.0f} s"
-        else:
-            rep.status = "tuned-missing"
-            rep.why = (f"tuned with MetaSchedule ({rep.tuning['seconds']:.0f} s): "
-                       f"{rep.why or 'no transferred schedule'}")
-            chosen.pop(k.name, None)
-            rep.chosen = {"donor_network": "metaschedule", "donor_kernel": k.name, "record": None,
-                          "rank": 0, "score": None, "latency_s": best, "method": "tuned"}
+        for kk in plan.kernels:
+            _take_tuned(kk, reports[kk.name], extra_db, chosen, plan, run, wall, work)
     return extra_db
+
+
+def _take_tuned(k: Kernel, rep: KernelReport, db, chosen: dict[str, Transferred], plan: TuningPlan,
+                run, wall: float, work: Path) -> None:
+    """``k``'s report after the search of ``plan`` (which tuned ``k`` alone or with its
+    siblings): its best record chosen when it beats what ``k`` had."""
+    recs = db.get_top_k(db.commit_workload(k.mod), 1)
+    best = min(float(x) for x in recs[0].run_secs) if recs else None
+    rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
+                  "search_seconds": round(wall - run.setup_s, 1), "setup_s": round(run.setup_s, 1),
+                  "search_began_at": round(run.search_clock0, 3),  # on trials.jsonl's clock
+                  "trials": plan.trials, "share": round(plan.share, 4),
+                  "kernels_in_search": len(plan.kernels),
+                  "before_s": rep.best_s, "after_s": best, "work_dir": str(work)}
+    if best is None or (rep.best_s is not None and best >= rep.best_s):
+        rep.why = f"{rep.why}; MetaSchedule found nothing faster in {rep.tuning['seconds']:.0f} s"
+        return
+    rep.status = "tuned-missing"
+    rep.why = f"tuned with MetaSchedule ({rep.tuning['seconds']:.0f} s): {rep.why or 'no transferred schedule'}"
+    chosen.pop(k.name, None)
+    rep.chosen = {"donor_network": "metaschedule", "donor_kernel": k.name, "record": None,
+                  "rank": 0, "score": None, "latency_s": best, "method": "tuned"}
 
 
 def trial_timeout_s(best_s: float | None, default_s: float = RunnerSpec.timeout_sec) -> float:
