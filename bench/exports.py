@@ -4,16 +4,16 @@
 
 Every ``DIR/*.onnx`` (third-party exports: torchvision's, timm's and transformers' models
 through torch.onnx, a detector from another toolchain, ...) runs through the CLI with the
-defaults, a fresh data dir and no donors of the user's own (bench/recommend_bench.run_recommend),
-one after another and nothing else running. A run
-passes when recommend exits 0, which it does only when the compiled model's outputs match
+defaults, a fresh data dir and no donors of the user's own
+(bench/recommend_bench.run_recommend), one after another and nothing else running. A run passes
+when recommend exits 0, which it does only when the compiled model's outputs match
 onnxruntime's. ``DIR/NAME.args`` holds the file's extra arguments if it needs any (the
 --input-shape that binds a text model's dynamic axes). Results are kept per file in
-bench/results/exports.json (a file is rerun when
-its bytes, the shipped ranker or the commit changed, or with --force) and tabled in exports.md:
-ttrank's latency against onnxruntime's, timed in alternation in the same run, the phases, and
-the one line a failure ends with. No export is committed: bench/export_torchvision.py makes the
-torchvision ones (it needs torch and torchvision, which ttrank does not).
+bench/results/exports.json (a file is rerun when its bytes, the shipped ranker or the commit
+changed, or with --force) and tabled in exports.md: ttrank's latency against onnxruntime's,
+timed in alternation in the same run, the phases, and the one line a failure ends with. No
+export is committed: bench/export_torchvision.py makes the torchvision ones and
+bench/export_hub.py the timm and transformers ones (they need torch, which ttrank does not).
 """
 
 from __future__ import annotations
