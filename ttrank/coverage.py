@@ -137,8 +137,8 @@ def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered
     model time is at least ``min_share``. What they may spend scales with what they can save:
     all of ``budget_s`` once they hold ``full_share`` of the model or more, a proportional part
     below that, split among the classes by share (the largest first, at least ``min_seconds``
-    each). A kernel with no arithmetic
-    (copies, resizes) needs few trials: its search space is small.
+    each), and a class's trials among its kernels. A kernel with no arithmetic (copies,
+    resizes) needs few trials: its search space is small.
     """
     est = {k.name: k.weight * (best_s.get(k.name) or 0.0) for k in kernels}
     total = sum(est.values())
@@ -163,6 +163,9 @@ def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered
         if secs < min_seconds:
             break
         trials = max_trials if lead.flops > 0 else max(8, max_trials // 4)
+        # the search takes its kernels one after another: each gets its part of the trials,
+        # or the first would spend the whole budget (one batch of 8 each at least)
+        trials = max(8, trials // (1 + len(siblings)))
         plans.append(TuningPlan(lead, share, secs, trials, tuple(siblings)))
         spent += secs
     return plans

@@ -197,6 +197,7 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
 
     A conv1d has donors only from the zoo's one audio network: wav2vec2's strided 512-channel
     convs ran at 61-154 GFLOP/s on znver4 with them, where the zoo's 2-D convs reach 200+.
+    As 2-D convs, a 4-layer wav2vec2 export went from 1.63x to 0.95x onnxruntime's time.
     """
     if not uses_op(mod, "relax.nn.conv1d"):
         return mod
@@ -343,7 +344,8 @@ def pointwise_conv_before_resize(mod: tvm.IRModule) -> tvm.IRModule:
     upsampled maps nor their concat is written. The full-resolution part's conv takes the
     sum of the others as its residual epilogue. A resize to the size it already has is
     dropped. SegFormer-B0 at 512x512: its 1024-channel concat of four bilinear resizes took
-    55 ms on znver4 and the conv over it 41 ms, against onnxruntime's 148 ms for the model."""
+    55 ms on znver4 and the conv over it 41 ms, against onnxruntime's 148 ms for the model;
+    rewritten, the model went from 1.34x to 0.80x onnxruntime's time."""
     if not uses_op(mod, "relax.image.resize2d"):
         return mod
     values = {v: val for func in mod.functions.values() if isinstance(func, relax.Function)
@@ -549,7 +551,8 @@ def powers_as_products(mod: tvm.IRModule) -> tvm.IRModule:
     exponent (GPT-2's tanh GELU takes ``x ** 3``; T5's and hand-written layer norms square).
 
     TVM lowers a power to libm's ``powf`` per element, which no loop vectorises: GPT-2's
-    GELU ran at 12 GFLOP/s on znver4, 7.2 of its 76 ms."""
+    GELU ran at 12 GFLOP/s on znver4, 7.2 of its 76 ms; with products a 6-layer GPT-2 export
+    went from 1.30x to 1.11x onnxruntime's time."""
     if not uses_op(mod, "relax.power"):
         return mod
     consts = _constants(mod)

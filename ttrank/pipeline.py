@@ -843,6 +843,10 @@ def _take_tuned(k: Kernel, rep: KernelReport, db, chosen: dict[str, Transferred]
                   "trials": plan.trials, "share": round(plan.share, 4),
                   "kernels_in_search": len(plan.kernels),
                   "before_s": rep.best_s, "after_s": best, "work_dir": str(work)}
+    if best is None and plan.siblings:
+        rep.why = (f"{rep.why}; the search of its class ({len(plan.kernels)} kernels, "
+                   f"{rep.tuning['seconds']:.0f} s) measured none for it")
+        return
     if best is None or (rep.best_s is not None and best >= rep.best_s):
         rep.why = f"{rep.why}; MetaSchedule found nothing faster in {rep.tuning['seconds']:.0f} s"
         return
