@@ -85,7 +85,7 @@ def test_a_class_of_small_uncovered_kernels_is_tuned_in_one_search():
     best = {"conv0": 0.3, "conv1": 0.3, "conv2": 0.3, **{f"variance{i}": 0.006 + 0.004 * i for i in range(6)}}
     (plan,) = plan_missing([*convs, *norms], best, {"conv0", "conv1", "conv2"}, budget_s=120)
     assert plan.kernel.name == "variance5" and len(plan.siblings) == 5
-    assert plan.seconds >= 20 and plan.trials == 10
+    assert plan.seconds >= 20 and plan.trials == 8  # one batch each
 
 
 def test_policy_curve_trades_candidates_for_quality():

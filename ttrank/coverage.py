@@ -164,8 +164,9 @@ def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered
             break
         trials = max_trials if lead.flops > 0 else max(8, max_trials // 4)
         # the search takes its kernels one after another: each gets its part of the trials,
-        # or the first would spend the whole budget (one batch of 8 each at least)
-        trials = max(8, trials // (1 + len(siblings)))
+        # or the first would spend the whole budget; in whole batches of 8 (a batch of one
+        # more trial costs a generation of candidates, seconds for a big kernel)
+        trials = max(8, trials // (1 + len(siblings)) // 8 * 8)
         plans.append(TuningPlan(lead, share, secs, trials, tuple(siblings)))
         spent += secs
     return plans
