@@ -12,13 +12,13 @@ Shares its export loop with bench/export_torchvision.py.
 """
 import sys
 
-import torch
-import torch.nn as nn
-
+# first: it sets the thread counts before torch loads
 from export_torchvision import export_all, export_dynamo, export_legacy
 
-import timm  # noqa: E402 - after export_torchvision set the thread counts
-import transformers as hf  # noqa: E402
+import timm
+import torch
+import transformers as hf
+from torch import nn
 
 
 class Hidden(nn.Module):
