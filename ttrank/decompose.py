@@ -242,7 +242,6 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
     # the gates whose recurrent term is h R^T: one MatMul a step for all of them (GRU's h~
     # without linear_before_reset takes (r * h) R^T, its own MatMul)
     rec = [gate for gate in gates if not (kind == "GRU" and gate == "h" and not lbr)]
-    backwards = g.const("backwards", np.arange(steps - 1, -1, -1, dtype=np.int64))
 
     def clipped(v: str) -> str:
         if clip is None:
@@ -267,6 +266,8 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
 
     ys, last_h, last_c = [], [], []
     together = len(dirs) == 2 and specs[0] == specs[1]
+    # the reverse direction's steps in time order, and back (only when the directions step together)
+    backwards = g.const("backwards", np.arange(steps - 1, -1, -1, dtype=np.int64)) if together else None
     for ds in ([[0, 1]] if together else [[d] for d in range(len(dirs))]):
         n = len(ds)
         f, gg, hh = ([_activation(g, *sp) for sp in specs[ds[0]]] + [None, None])[:3]
@@ -294,14 +295,12 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
                                                  for gt in rec]) for d in ds])
                   if kind == "GRU" and lbr else None)
         r_h = stacked("rh", [R[d][sl["h"]].T for d in ds], matrix=True) if kind == "GRU" and not lbr else None
-        start_shape = g.const("shape", np.array([1, n, -1, H], np.int64))
-
         def initial(v: str | None) -> str | None:
             if v is None:
                 return None
             if n == 1:
                 return g.split(v, len(dirs), "h0", squeeze=False)[ds[0]]
-            return g.op("Reshape", [v, start_shape], "h0")
+            return g.op("Reshape", [v, g.const("shape", np.array([1, n, -1, H], np.int64))], "h0")
 
         h, c = initial(init_h), initial(init_c)
         # peepholes, in P's order i, o, f
@@ -353,12 +352,12 @@ def _recurrent(g: _Graph, node: onnx.NodeProto) -> None:
             else:
                 h = f(clipped(pre("i")))
             outs[t] = h
-        step_shape = g.const("shape", np.array([1, 1, -1, H], np.int64))
-        y = g.op("Concat", [outs[t] if n == 2 else g.op("Reshape", [outs[t], step_shape], "y_t")
-                            for t in range(steps)], "y", axis=0)
         if n == 1:
-            ys.append(y)
+            step_shape = g.const("shape", np.array([1, 1, -1, H], np.int64))
+            ys.append(g.op("Concat", [g.op("Reshape", [outs[t], step_shape], "y_t") for t in range(steps)],
+                           "y", axis=0))
         else:  # [seq, 2, batch, H] in step order; the reverse direction's back in time order
+            y = g.op("Concat", [outs[t] for t in range(steps)], "y", axis=0)
             fwd, rev = g.split(y, 2, "y", axis=1, squeeze=False)
             ys += [fwd, g.op("Gather", [rev, backwards], "y_rev", axis=0)]
         last_h.append(g.op("Reshape", [h, g.const("shape", np.array([n, -1, H], np.int64))], "h_last"))

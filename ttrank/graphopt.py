@@ -182,10 +182,13 @@ def _channel_bias(b: np.ndarray, ndim: int, channels: int) -> relax.Constant | N
     return relax.const(np.ascontiguousarray(np.broadcast_to(b.reshape(-1), (channels,)).reshape(1, channels, 1, 1)))
 
 
-def _epilogue(y, bias, epilogue: int):
-    """``y`` with the matched epilogue: 0 none, 1 the bias, 2 the bias and a ReLU."""
+def _epilogue(y, bias, epilogue: int, residual=None):
+    """``y`` with the matched epilogue: 0 none, 1 the bias (and ``residual`` added), 2 those
+    and a ReLU."""
     if epilogue >= 1:
         y = relax.op.add(y, bias)
+    if residual is not None:
+        y = relax.op.add(y, residual)
     return relax.op.nn.relu(y) if epilogue >= 2 else y
 
 
@@ -229,12 +232,9 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
                 relax.const(w.reshape(o, cg, 1, k)), strides=[1, int(a.strides[0])],
                 padding=[0, left, 0, right], dilation=[1, int(a.dilation[0])], groups=int(a.groups),
                 out_dtype=a.out_dtype)
-            if with_residual:
-                y = relax.op.add(relax.op.add(y, b), relax.op.reshape(matches[other], [*oshape[:2], 1, oshape[2]]))
-                y = relax.op.nn.relu(y) if epilogue >= 2 else y
-            else:
-                y = _epilogue(y, b, epilogue)
-            return relax.op.reshape(y, oshape)
+            residual_4d = (relax.op.reshape(matches[other], [*oshape[:2], 1, oshape[2]])
+                           if with_residual else None)
+            return relax.op.reshape(_epilogue(y, b, epilogue, residual_4d), oshape)
         return rewriter
 
     _rewrite(mod, [(residual_relu, rewriter_for(2, True)), (residual, rewriter_for(1, True)),
@@ -348,8 +348,7 @@ def pointwise_conv_before_resize(mod: tvm.IRModule) -> tvm.IRModule:
     rewritten, the model went from 1.34x to 0.80x onnxruntime's time."""
     if not uses_op(mod, "relax.image.resize2d"):
         return mod
-    values = {v: val for func in mod.functions.values() if isinstance(func, relax.Function)
-              for v, val in relax.analysis.get_var2val(func).items()}
+    values = _bindings(mod)
     parts, weight = wildcard(), is_const()
     concat = is_op("relax.concat")(parts)
     conv = is_op("relax.nn.conv2d")(concat, weight)
@@ -489,10 +488,15 @@ def dilated_conv_zones(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
+def _bindings(mod: tvm.IRModule) -> dict:
+    """The variables of ``mod``'s Relax functions and the values bound to them."""
+    return {v: val for func in mod.functions.values() if isinstance(func, relax.Function)
+            for v, val in relax.analysis.get_var2val(func).items()}
+
+
 def _constants(mod: tvm.IRModule) -> dict:
     """The variables of ``mod``'s Relax functions that are bound to constants, and their values."""
-    return {v: val for func in mod.functions.values() if isinstance(func, relax.Function)
-            for v, val in relax.analysis.get_var2val(func).items() if isinstance(val, ir.Constant)}
+    return {v: val for v, val in _bindings(mod).items() if isinstance(val, ir.Constant)}
 
 
 def _bound_constant(expr, consts: dict) -> np.ndarray | None:

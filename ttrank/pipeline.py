@@ -807,7 +807,6 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
               if runner is not None and runner.kind == "rpc" else None)
     for i, plan in enumerate(plans):
         k, t_k = plan.kernel, time.time()
-        rep = reports[k.name]
         progress("tuning", i + 1, len(plans), k.name)
         # the search starts from what transfer reached (a design-space sample, a weak donor)
         seeds = {}
@@ -815,6 +814,8 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
             start, best_s = chosen.get(kk.name), reports[kk.name].best_s
             if start is not None and start.seedable and best_s:
                 seeds[kk.workload_hash] = [Seed(kk.workload_hash, start.trace, best_s)]
+        # a trial may run as long as the slowest kernel of the search needs
+        slowest = max(reports[kk.name].best_s or 0.0 for kk in plan.kernels) or None
         # small batches, so that the budget is checked often. MetaSchedule appends to the
         # database itself: a second recommend of this model waits here (the lock `ttrank
         # tune` holds), then finds the trials done
@@ -822,8 +823,7 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
                        only=[kk.name for kk in plan.kernels], trials_per_iter=8, seeds=seeds or None,
-                       runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(
-                           max((reports[kk.name].best_s or 0.0 for kk in plan.kernels), default=0.0) or None)))
+                       runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(slowest)))
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         wall = time.time() - t_k
         for kk in plan.kernels:
