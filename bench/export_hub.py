@@ -13,7 +13,8 @@ Shares its export loop with bench/export_torchvision.py.
 import sys
 
 # first: it sets the thread counts before torch loads
-from export_torchvision import export_all, export_dynamo, export_legacy
+from export_torchvision import export_dynamo, export_legacy
+from export_common import export_all
 
 import timm
 import torch

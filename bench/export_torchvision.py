@@ -11,10 +11,8 @@ based exporter, opset 20), and resnet34_dynbatch.onnx (legacy, a dynamic batch a
 hand-written DBNet-like text detector (ConvTranspose and bilinear upsampling). Failures go to
 OUT_DIR/export_failures.json. On 2026-12-06 every one exported and ran in onnxruntime.
 """
-import json
 import os
 import sys
-import traceback
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,6 +31,8 @@ try:
 except RuntimeError:
     pass
 warnings.filterwarnings("ignore")
+
+from export_common import export_all  # noqa: E402 (after the thread counts are set)
 
 OUT = "."
 
@@ -269,11 +269,6 @@ DYNAMO = ["resnet34", "shufflenet_v2_x1_0", "convnext_tiny", "mobilenet_v3_small
           "text_encoder"]
 
 
-def one_line(e):
-    msg = " ".join(str(e).split())
-    return f"{type(e).__name__}: {msg}"[:400]
-
-
 def build(name):
     fn, shape = MODELS[name]
     torch.manual_seed(0)
@@ -281,12 +276,6 @@ def build(name):
     torch.manual_seed(0)
     x = torch.randint(0, 30522, shape) if name == "text_encoder" else torch.randn(*shape)
     return m, x
-
-
-def rm(path):
-    for p in (path, path + ".data", path[: -len(".onnx")] + ".args"):
-        if os.path.exists(p):
-            os.remove(p)
 
 
 def export_legacy(m, x, path, dynamic_axes=None, input_names=("input",), output_names=("output",)):
@@ -300,34 +289,6 @@ def export_legacy(m, x, path, dynamic_axes=None, input_names=("input",), output_
 
 def export_dynamo(m, x, path):
     torch.onnx.export(m, x if isinstance(x, tuple) else (x,), path, dynamo=True, external_data=False)
-
-
-def export_all(out, jobs):
-    """Run ``jobs`` = [(file stem, write(path) -> ttrank args or None)]; each writes
-    OUT/<stem>.onnx, and OUT/<stem>.args when recommend needs arguments (bench/exports.py
-    passes them). Failures are kept in OUT/export_failures.json, and the rest go on."""
-    fails_path = os.path.join(out, "export_failures.json")
-    fails = json.load(open(fails_path)) if os.path.exists(fails_path) else {}
-    for fname, write in jobs:
-        path = os.path.join(out, fname + ".onnx")
-        rm(path)
-        print(f"[export] {fname}", flush=True)
-        try:
-            cli = write(path)
-            if os.path.exists(path + ".data"):
-                raise RuntimeError("exporter wrote external data despite external_data=False")
-            if cli:
-                with open(path[: -len(".onnx")] + ".args", "w") as f:
-                    f.write(" ".join(cli) + "\n")
-            fails.pop(fname, None)
-            print(f"[ok] {fname} {os.path.getsize(path) / 2**20:.1f} MB", flush=True)
-        except Exception as e:  # record and go on
-            traceback.print_exc()
-            rm(path)
-            fails[fname] = {"error": one_line(e)}
-            print(f"[FAIL] {fname}: {one_line(e)}", flush=True)
-        with open(fails_path, "w") as f:
-            json.dump(fails, f, indent=1, sort_keys=True)
 
 
 def writer(model, kind):

@@ -12,8 +12,9 @@ onnxruntime's. ``DIR/NAME.args`` holds the file's extra arguments if it needs an
 bench/results/exports.json (a file is rerun when its bytes, the shipped ranker or the commit
 changed, or with --force) and tabled in exports.md: ttrank's latency against onnxruntime's,
 timed in alternation in the same run, the phases, and the one line a failure ends with. No
-export is committed: bench/export_torchvision.py makes the torchvision ones and
-bench/export_hub.py the timm and transformers ones (they need torch, which ttrank does not).
+export is committed: bench/export_torchvision.py makes the torchvision ones,
+bench/export_hub.py the timm and transformers ones (they need torch, which ttrank does not),
+and bench/export_keras.py Keras models through tf2onnx and torchvision's at old opsets (7-12).
 """
 
 from __future__ import annotations

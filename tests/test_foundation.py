@@ -455,6 +455,40 @@ def test_a_segmentation_heads_fuse_conv_runs_before_its_upsampling(tmp_path):
     assert res.ok and res.max_abs_error < 1e-4
 
 
+def _old_exporters_upsampling(opset: int) -> onnx.ModelProto:
+    """A conv net as exporters of the ONNX Model Zoo's era wrote it: an opset-9 Upsample, an
+    opset-10 Resize(X, scales), or an opset-11 Resize whose roi and scales are empty constants
+    beside its sizes; Slice with attribute bounds (opset 9), Flatten and Gemm."""
+    g = zoo.GraphBuilder(f"old{opset}", seed=0)
+    x = g.relu(g.conv(g.input("data", [1, 3, 16, 16]), 3, 8, 3, 2))
+    scales = g.const(np.array([1, 1, 2, 2], np.float32))
+    if opset == 9:
+        x = g.node("Upsample", [x, scales], mode="linear")
+        x = g.node("Slice", [x], starts=[1, 1], ends=[15, 15], axes=[2, 3])
+    elif opset == 10:
+        x = g.node("Resize", [x, scales], mode="linear")
+    else:
+        empty = g.const(np.zeros(0, np.float32))
+        x = g.node("Resize", [x, empty, empty, g.const(np.array([1, 8, 16, 16], np.int64))], mode="linear")
+    x = g.node("Flatten", [g.node("GlobalAveragePool", [g.relu(g.conv(x, 8, 8, 3))])])
+    g.output(g.node("Gemm", [x, g.weight((5, 8), 0.3), g.weight((5,), 0.1)], transB=1), [1, 5])
+    m = g.model()
+    m.opset_import[0].version = opset
+    return m
+
+
+@pytest.mark.parametrize("opset", [9, 10, 11])
+def test_old_opset_exports_compile_as_the_spec_means_them(tmp_path, opset):
+    onnx.checker.check_model(_old_exporters_upsampling(opset), full_check=True)
+    onnx.save(_old_exporters_upsampling(opset), str(tmp_path / "old.onnx"))
+    model = frontend.load(tmp_path / "old.onnx")
+    assert graphopt.uses_op(model.mod, "relax.image.resize2d")
+    ex = runtime.compile_model(model, make_target())
+    # onnxruntime runs the file as given: an opset-10 Resize read as (X, roi) would not match
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def test_a_sequence_first_attention_runs_its_projections_as_rows_and_its_scores_on_whole_vectors(tmp_path):
     # torchvision's attention, as torch.onnx writes it: tokens first ([L, B, E]), the
     # projections by [E, 3E] weights, and Q K^T over 50 tokens (ViT-B/32)

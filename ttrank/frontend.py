@@ -21,6 +21,7 @@ from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeE
                      UnsafeModelError, UnsupportedOpError)
 from .graphopt import clean_up, static_dims
 from .layouts import LAYOUTS, apply_layout
+from .opsets import modernize
 from .util import to_native_log
 
 log = logging.getLogger("ttrank")
@@ -457,6 +458,7 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     # onnxruntime checks the compiled model against the graph as given, not against a rewrite
     reference = model
     simplified, because = False, ""
+    model, modernized = modernize(model)
     try:
         model, rewritten = rewrite_unsupported(model, str(path))
     except DynamicShapeError as e:
@@ -478,11 +480,12 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
             model, more = rewrite_unsupported(model, str(path))
             rewritten = sorted({*rewritten, *more})
             missing = unsupported_ops(model)
+    rewritten = [*modernized, *rewritten]
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
                                  + ", ".join(missing))
     if rewritten:
-        log.info("rewrote %s into ops TVM's importer has", ", ".join(rewritten))
+        log.info("rewritten for TVM's importer: %s", ", ".join(rewritten))
     if simplify_graph == "always" and not simplified:
         model, simplified = _simplify(model, path), True
     mod, failed, op = _import(model, specs)
