@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -21,7 +22,9 @@ from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker
 from ttrank.ranking import AdaptiveK, FixedK, native_candidate, policy_of, rank_kernel, shortlist
 from ttrank.target import cpu_description, provenance, vector_class
+from ttrank.space import draw_seconds
 from ttrank.transfer import transfer
+from ttrank.tune import GENERATIONS, MIN_POPULATION, SearchSize, fit_search, tune
 
 
 def test_adaptive_policy_measures_what_the_ranker_is_unsure_of():
@@ -289,3 +292,43 @@ def test_a_copied_store_reports_its_own_folders(donor_dir, tmp_path):
     shutil.copytree(donor_dir, copy)
     store = donors.DonorStore.load([copy])
     assert [r.work_dir for r in store.reports] == [str(copy)]
+
+
+def _box_decoding(tmp_path, scales: int = 3) -> Path:
+    """A YOLO head's box decoding, as exporters write it: per scale, sigmoid, grid offsets
+    and anchors on slices of the channels, then one concat of every scale's boxes."""
+    g = zoo.GraphBuilder("decode", seed=0)
+    boxes = []
+    for s in range(scales):
+        n = 8 >> s
+        p = g.node("Sigmoid", [g.input(f"p{s}", [1, 3, n, n, 16])])
+        xy = g.node("Slice", [p, *(g.const(np.array([v], np.int64)) for v in (0, 2, 4))])
+        wh = g.node("Slice", [p, *(g.const(np.array([v], np.int64)) for v in (2, 4, 4))])
+        rest = g.node("Slice", [p, *(g.const(np.array([v], np.int64)) for v in (4, 16, 4))])
+        xy = g.node("Mul", [g.node("Add", [g.node("Mul", [xy, g.const(np.float32(2))]),
+                                           g.weight((1, 1, n, n, 2), 1.0)]), g.const(np.float32(8 << s))])
+        wh = g.node("Mul", [g.node("Mul", [wh, wh]), g.weight((1, 3, 1, 1, 2), 1.0)])
+        box = g.node("Concat", [xy, wh, rest], axis=4)
+        boxes.append(g.node("Reshape", [box, g.const(np.array([1, -1, 16], np.int64))]))
+    g.output(g.node("Concat", boxes, axis=1), [1, 3 * (64 + 16 + 4), 16])
+    path = tmp_path / "decode.onnx"
+    onnx.save(g.model(), str(path))
+    return path
+
+
+def test_a_kernel_slow_to_generate_gets_a_search_its_budget_holds(tmp_path, tiny_cnn, target):
+    """MetaSchedule generates a batch of candidates with no chance to stop, and a kernel that
+    fuses a detection head's decoding (dozens of blocks) takes seconds a candidate: at the
+    full population YOLOv5's took 340 s of a 22 s budget. Its search is sized to the budget."""
+    (decode,) = [k for k in extract(frontend.load(_box_decoding(tmp_path)).mod, target) if k.flops > 0]
+    conv = next(k for k in extract(frontend.load(tiny_cnn).mod, target) if k.anchor_op == "conv2d_nchw")
+    assert draw_seconds(decode, target) > 3 * draw_seconds(conv, target)
+    # a conv's draws are cheap: MetaSchedule's own search for a batch of 8
+    assert fit_search(0.04, 14.0, 8, cores=2) == SearchSize(128, GENERATIONS)
+    # a draw of seconds: fewer generations and a smaller population, or no search at all
+    assert fit_search(2.7, 30.0, 8, cores=2) == SearchSize(21, 1)
+    assert fit_search(2.7, 12.6, 8, cores=2) is None
+    # a small search is a real one: it measures its batch
+    run = tune(frontend.load(tiny_cnn).mod, tmp_path / "small", trials_per_task=8, only=[conv.name],
+               target=target, trials_per_iter=8, search_size=SearchSize(MIN_POPULATION, 1))
+    assert run.tasks[0].done == 8 and run.tasks[0].best_s is not None

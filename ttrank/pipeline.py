@@ -34,13 +34,13 @@ from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, po
                       shortlist)
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
                       write_database)
-from .space import SMALL_SPACE_DRAWS, SPACE_NETWORK, small_space, space_candidates
+from .space import SMALL_SPACE_DRAWS, SPACE_NETWORK, draw_seconds, small_space, space_candidates
 from .templates import template_candidates
 from .target import (ForeignLoad, cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance,
                      target_key)
 from .training import ranker_without
 from .transfer import Transferred, postprocessors, transfer
-from .tune import TUNING_PROTOCOL, Seed, tune
+from .tune import TUNING_PROTOCOL, Seed, fit_search, tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
 
@@ -58,6 +58,12 @@ TRIAL_TIMEOUT_FACTOR = 10.0
 TRIAL_TIMEOUT_FLOOR_S = 3.0
 # recommend's default budget for tuning what no transferred schedule covers (seconds, all kernels)
 TUNE_MISSING_SECONDS = 120.0
+# its searches measure batches of this many trials, checking the budget after each; the first
+# batch's generation (which nothing interrupts) may take this share of a search's budget: the
+# rest builds and measures it. YOLOv5's fused box decoding, at MetaSchedule's full population,
+# generated its first batch in 340 s against a 22 s budget
+MISSING_BATCH = 8
+FIRST_BATCH_SHARE = 0.7
 # candidates measured for a kernel whose anchor computation (a conv, a matmul) a heavier kernel of
 # the model shares, fused with another epilogue: the heavier one's fastest. Such siblings rank the
 # same schedules the same: R18 on znver1, 22 schedules measured on both of a pair ran within 0-8%
@@ -808,6 +814,17 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
     for i, plan in enumerate(plans):
         k, t_k = plan.kernel, time.time()
         progress("tuning", i + 1, len(plans), k.name)
+        # MetaSchedule generates a batch without a chance to stop: a kernel whose candidates are
+        # slow to generate gets a search that fits the budget, or none
+        draw_s = max(draw_seconds(kk, target) for kk in plan.kernels)
+        size = fit_search(draw_s, plan.seconds * FIRST_BATCH_SHARE - (time.time() - t_k), MISSING_BATCH,
+                          host_cores())
+        if size is None:
+            for kk in plan.kernels:
+                reports[kk.name].why = (f"{reports[kk.name].why}; not searched: a draw of its design "
+                                        f"space takes {draw_s:.1f} s, so even the smallest search "
+                                        f"would overrun its {plan.seconds:.0f} s")
+            continue
         # the search starts from what transfer reached (a design-space sample, a weak donor)
         seeds = {}
         for kk in plan.kernels:
@@ -822,7 +839,8 @@ def _tune_missing(model: LoadedModel, kernels: list[Kernel], store: DonorStore, 
         with file_lock(work / "tune"):
             run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
                        budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[kk.name for kk in plan.kernels], trials_per_iter=8, seeds=seeds or None,
+                       only=[kk.name for kk in plan.kernels], trials_per_iter=MISSING_BATCH, seeds=seeds or None,
+                       search_size=size,
                        runner=remote or RunnerSpec(**TUNING_PROTOCOL, timeout_sec=trial_timeout_s(slowest)))
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         wall = time.time() - t_k

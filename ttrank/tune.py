@@ -249,7 +249,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
          build_timeout_sec: float = 60.0, runner=None,
          only: list[str] | None = None, prepare: Callable | None = None,
          layout: str = "nchw", small_trials: int | None = None,
-         seeds: dict[str, list[Seed]] | None = None) -> TuneProgress:
+         seeds: dict[str, list[Seed]] | None = None, search_size: SearchSize | None = None) -> TuneProgress:
     """Tune every kernel of a Relax module (as imported) into a JSONDatabase work_dir.
 
     Kernels are tuned one at a time, heaviest (FLOPs x weight) first, each up to
@@ -265,7 +265,8 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
     under :data:`SMALL_SHARE` of the model's FLOPs gets (a max-pool, a global mean, the
     classifier's matmul), which a deep donor set would otherwise search as long as a conv.
     ``seeds``: workload hash -> schedules of that kernel measured on this CPU, for its search to
-    start from (:class:`SeededDatabase`).
+    start from (:class:`SeededDatabase`). ``search_size``: a smaller evolutionary search than a
+    batch's default (:func:`fit_search`), for kernels whose candidates are slow to generate.
     """
     from tvm.s_tir import meta_schedule as ms  # TVM loads slowly: only when tuning
 
@@ -349,7 +350,7 @@ def tune(mod, work_dir: str | Path, trials_per_task: int = 64, budget_minutes: f
             # batches never exceed what the budget leaves, measured by this run's pace
             # it creates MetaSchedule's loggers, as tune_tasks does
             batch = min(trials_per_iter, remaining)
-            strategy = search_strategy(batch, seeded=bool(task_seeds))
+            strategy = search_strategy(batch, seeded=bool(task_seeds), size=search_size)
             with metaschedule_logging(), cpu_tensor_intrinsics(target):
                 ctxs, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
                     [task], str(work_dir), strategy=strategy, seed=seed)
@@ -445,7 +446,47 @@ TUNING_PROTOCOL = {"cache_flush": False, "repeat": 1, "number": 3, "min_repeat_m
 SEEDED_MEASURED_RATIO = 0.85
 
 
-def search_strategy(batch: int, seeded: bool = False):
+# What one candidate of an evolutionary search costs to generate, in draws of the kernel's
+# design space (one post-order-apply, :func:`ttrank.space.draw_seconds`) per core: sampling it,
+# and each generation's mutation and cost-model scoring. Measured on YOLOv5's fused box
+# decoding (three heads' sigmoids, grids and concats in one kernel of ~100 blocks): a draw took
+# 2.7 s; the first batch sampled 128 candidates in 112 s, then each of 4 generations took 60 s,
+# on 2 cores. A conv's draw takes 0.04 s, so its search is not limited by this.
+SAMPLE_DRAWS = 0.66
+EVOLVE_DRAWS = 0.36
+# the smallest population worth a search; and MetaSchedule's generations per batch
+MIN_POPULATION = 16
+GENERATIONS = 4
+
+
+@dataclass(frozen=True)
+class SearchSize:
+    """An evolutionary search's population and generations per batch."""
+
+    population: int
+    generations: int = GENERATIONS
+
+
+def population_for(batch: int) -> int:
+    """The population a batch of ``batch`` measured candidates is drawn from."""
+    return max(64, min(512, 16 * batch))
+
+
+def fit_search(draw_s: float, seconds: float, batch: int, cores: int) -> SearchSize | None:
+    """The largest search of a kernel whose draws take ``draw_s`` that generates a batch in
+    ``seconds``: MetaSchedule cannot be interrupted while it generates, so a budget is kept
+    only by a search that fits it. Fewer generations before a population under 64; None when
+    even :data:`MIN_POPULATION` and one generation would not fit."""
+    full = population_for(batch)
+    per = draw_s / max(1, cores)
+    for generations in (GENERATIONS, 2, 1):
+        population = min(full, int(seconds / (per * (SAMPLE_DRAWS + EVOLVE_DRAWS * generations))))
+        if population >= min(full, 64) or (generations == 1 and population >= MIN_POPULATION):
+            return SearchSize(population, generations)
+    return None
+
+
+def search_strategy(batch: int, seeded: bool = False, size: SearchSize | None = None):
     """MetaSchedule's evolutionary search with its population scaled to the batch it measures.
 
     Each batch samples and evolves a population (512 by default, for batches of 64) through the
@@ -454,15 +495,21 @@ def search_strategy(batch: int, seeded: bool = False):
     of 8 trials took 49 s, 40 of them sampling. 16 candidates per trial measured (64 to 512);
     from batches of 32, as ttrank's donors are tuned, it is MetaSchedule's 512. ``seeded`` (a
     :class:`SeededDatabase` search): most of the population starts from the seeds (and, after
-    the first batch, the best measured)."""
+    the first batch, the best measured). ``size``: a smaller search (:func:`fit_search`)."""
     from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch  # as in tune()
 
-    pop = max(64, min(512, 16 * batch))
+    pop = size.population if size else population_for(batch)
+    generations = size.generations if size else GENERATIONS
     if not seeded:
-        return EvolutionarySearch(population_size=pop)
+        if size is None:
+            return EvolutionarySearch(population_size=pop)
+        # MetaSchedule gives up when fewer than init_min_unmeasured (50) samples were drawn
+        return EvolutionarySearch(population_size=pop, genetic_num_iters=generations,
+                                  init_min_unmeasured=min(50, pop // 2))
     # the random part, 15% of the population, must count as enough for the search to go on
     return EvolutionarySearch(population_size=pop, init_measured_ratio=SEEDED_MEASURED_RATIO,
-                              init_min_unmeasured=min(50, int(pop * (1 - SEEDED_MEASURED_RATIO)) // 2))
+                              genetic_num_iters=generations,
+                              init_min_unmeasured=max(1, min(50, int(pop * (1 - SEEDED_MEASURED_RATIO)) // 2)))
 
 
 MS_LOGGER = "tvm.s_tir.meta_schedule"
