@@ -167,15 +167,12 @@ def _bound(mutator: PyExprMutator, expr):
 
 def padded_channels(channels: int, lanes: int) -> int:
     """The channels a conv computes for ``channels`` outputs (``channels`` when it needs no
-    more): the next multiple of the lanes when their largest block is not all the lanes and
-    that adds at most 1/16 (Xception's 728 = 52 x 14 as 736 = 46 x 16), or at most 1/8 when the
-    block is at most a quarter of the lanes (ShuffleNetV2's 116 = 4 x 29 and 58 = 2 x 29)."""
-    block = block_size(channels, lanes)
-    if block == lanes:
+    more): when their largest block is at most a quarter of the lanes (ShuffleNetV2's 116 =
+    4 x 29 and 58 = 2 x 29), the next multiple of the lanes, if that adds at most 1/8."""
+    if block_size(channels, lanes) * 4 > lanes:
         return channels
     more = -(-channels // lanes) * lanes
-    limit = 8 if block * 4 <= lanes else 16
-    return more if limit * (more - channels) <= channels else channels
+    return more if 8 * (more - channels) <= channels else channels
 
 
 # element-wise ops a padded tensor goes through padded (a zero channel may leave them non-zero:
