@@ -194,6 +194,27 @@ def test_unsupported_op_is_named(unsupported_op_model, capsys):
         frontend.load(unsupported_op_model)
 
 
+def test_a_quantized_graph_is_refused_in_one_line_but_int8_weights_load(tmp_path, capsys):
+    # onnxruntime's quantize_static, QDQ form: activations quantized around a float conv
+    g = zoo.GraphBuilder("qdq", seed=0)
+    scale, zero = g.const(np.float32(0.05)), g.const(np.uint8(128))
+    x = g.node("QuantizeLinear", [g.input("x", [1, 3, 8, 8]), scale, zero])
+    x = g.conv(g.node("DequantizeLinear", [x, scale, zero]), 3, 4, 3)
+    g.output(x, [1, 4, 6, 6])
+    onnx.save(g.model(), str(tmp_path / "qdq.onnx"))
+    rc, err = _run_err(["kernels", str(tmp_path / "qdq.onnx")], capsys)
+    assert rc == 2 and "quantized graph (QuantizeLinear)" in err and len(err.strip().splitlines()) == 1
+    # weights stored as int8 and dequantized into a float conv: a float model
+    g = zoo.GraphBuilder("int8_weights", seed=0)
+    w = g.const(np.arange(4 * 3 * 3 * 3, dtype=np.int8).reshape(4, 3, 3, 3))
+    w = g.node("DequantizeLinear", [w, g.const(np.float32(0.01)), g.const(np.int8(0))])
+    g.output(g.node("Conv", [g.input("x", [1, 3, 8, 8]), w]), [1, 4, 6, 6])
+    onnx.save(g.model(), str(tmp_path / "w8.onnx"))
+    model = frontend.load(tmp_path / "w8.onnx")
+    ex = runtime.compile_model(model, make_target())
+    assert runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model).ok
+
+
 def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_style, tmp_path):
     with pytest.raises(ModelLoadError):
         frontend.load(paddle_style, {"x": [1, 3, 16, 16]}, simplify_graph="never")
