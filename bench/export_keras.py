@@ -16,7 +16,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export_common import export_all  # noqa: E402 (framework-free: both venvs import it)
+from export_common import export_all  # framework-free: both venvs import it
 
 
 def keras_models():

@@ -32,7 +32,7 @@ except RuntimeError:
     pass
 warnings.filterwarnings("ignore")
 
-from export_common import export_all  # noqa: E402 (after the thread counts are set)
+from export_common import export_all  # after the thread counts are set
 
 OUT = "."
 

@@ -92,7 +92,6 @@ def _empty_constants(model: onnx.ModelProto) -> set[str]:
     return out
 
 
-
 def _set_default(node: onnx.NodeProto, name: str, value: str) -> None:
     """Give ``node`` the string attribute ``name`` unless it has one."""
     if not any(a.name == name for a in node.attribute):

@@ -74,7 +74,6 @@ def _draw(kernel: Kernel, target, n: int, seed: int, donor: DonorWorkload, seen:
                 seen.add(text)
 
 
-
 def draw_seconds(kernel: Kernel, target) -> float:
     """Wall seconds of one draw of ``kernel``'s design space (one core): what each candidate of
     a search of it costs to generate, in proportion (:data:`ttrank.tune.SAMPLE_DRAWS`). A conv's
