@@ -1,5 +1,6 @@
-"""The export loop that bench/export_torchvision.py, export_hub.py and export_keras.py share,
-free of any framework (the Keras exports run in a venv without torch)."""
+"""The export loop that bench/export_torchvision.py, export_hub.py, export_keras.py and
+export_paddle.py share, free of any framework (the Keras and Paddle exports run in venvs
+without torch)."""
 import json
 import os
 import traceback

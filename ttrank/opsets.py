@@ -46,18 +46,17 @@ def modernize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
         else:
             changed.append(f"opset {opset} to {CONVERTED_TO}")
     empty = _empty_constants(model)
-    if any(n.op_type == "Resize" and n.domain in ("", "ai.onnx") and set(list(n.input)[1:3]) & empty
-           for n in model.graph.node):
+    # (node, input) of each Resize's roi or scales that is an empty constant: an empty one means none
+    absent = [(j, i) for j, n in enumerate(model.graph.node)
+              if n.op_type == "Resize" and n.domain in ("", "ai.onnx")
+              for i in (1, 2) if i < len(n.input) and n.input[i] in empty]
+    if absent:
         if not changed:  # the caller's model stays as given
             copy = onnx.ModelProto()
             copy.CopyFrom(model)
             model = copy
-        for n in model.graph.node:
-            if n.op_type != "Resize" or n.domain not in ("", "ai.onnx"):
-                continue
-            for i in (1, 2):  # roi, scales: an empty one means none
-                if i < len(n.input) and n.input[i] in empty:
-                    n.input[i] = ""
+        for j, i in absent:
+            model.graph.node[j].input[i] = ""
         changed.append("Resize's empty roi/scales as absent inputs")
     return model, changed
 

@@ -61,9 +61,7 @@ def _draw(kernel: Kernel, target, n: int, seed: int, donor: DonorWorkload, seen:
         for draw in range(2 * n):  # a draw can repeat an earlier one: a few more draws
             if len(donor.records) >= n:
                 break
-            ctx = ms.TuneContext(mod=kernel.mod, target=target, space_generator="post-order-apply",
-                                 task_name=kernel.name, rand_state=seed + draw + 1, num_threads=1)
-            for sch in ctx.generate_design_space():
+            for sch in _space(kernel, target, seed + draw + 1):
                 if len(donor.records) >= n:
                     break
                 rec = donor.add(str(len(donor.records)), sch, target)
@@ -78,11 +76,16 @@ def draw_seconds(kernel: Kernel, target) -> float:
     """Wall seconds of one draw of ``kernel``'s design space (one core): what each candidate of
     a search of it costs to generate, in proportion (:data:`ttrank.tune.SAMPLE_DRAWS`). A conv's
     takes 0.04 s; a kernel that fuses a hundred copies and element-wise ops, seconds."""
-    from tvm.s_tir import meta_schedule as ms
-
     with cpu_tensor_intrinsics(target):
         t0 = time.time()
-        ctx = ms.TuneContext(mod=kernel.mod, target=target, space_generator="post-order-apply",
-                             task_name=kernel.name, rand_state=1, num_threads=1)
-        ctx.generate_design_space()
+        _space(kernel, target, 1)
         return time.time() - t0
+
+
+def _space(kernel: Kernel, target, rand_state: int) -> list:
+    """One draw of ``kernel``'s design space for ``target`` (a schedule per design space), on
+    one core; the caller registers the target's tensor intrinsics."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.TuneContext(mod=kernel.mod, target=target, space_generator="post-order-apply",
+                          task_name=kernel.name, rand_state=rand_state, num_threads=1).generate_design_space()
