@@ -215,6 +215,44 @@ def test_a_quantized_graph_is_refused_in_one_line_but_int8_weights_load(tmp_path
     assert runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, model), model).ok
 
 
+def _half_precision_net(keep_io: bool) -> onnx.ModelProto:
+    """Two 3x3 convs of 64 channels and a linear layer in float16, as ``model.half()`` exports
+    it; ``keep_io``: float32 inputs and outputs cast at the edges, as onnxconverter-common's
+    ``keep_io_types`` writes it."""
+    g = zoo.GraphBuilder("half", seed=0)
+    x = g.input("x", [1, 16, 16, 16], onnx.TensorProto.FLOAT if keep_io else onnx.TensorProto.FLOAT16)
+    if keep_io:
+        x = g.node("Cast", [x], to=onnx.TensorProto.FLOAT16)
+    x = g.node("Relu", [g.conv(x, 16, 64, 3, pad=1)])
+    x = g.node("Relu", [g.conv(x, 64, 64, 3, pad=1)])  # sums of 576 products
+    y = g.node("Gemm", [g.reshape(x, [1, 64 * 16 * 16]), g.weight((64 * 16 * 16, 10), 0.01)])
+    if keep_io:
+        y = g.node("Cast", [y], to=onnx.TensorProto.FLOAT)
+    g.output(y, [1, 10], onnx.TensorProto.FLOAT if keep_io else onnx.TensorProto.FLOAT16)
+    model = g.model()
+    for i, t in enumerate(model.graph.initializer):
+        if t.data_type == onnx.TensorProto.FLOAT:
+            model.graph.initializer[i].CopyFrom(
+                onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t).astype(np.float16), t.name))
+    return model
+
+
+@pytest.mark.parametrize("keep_io", [False, True], ids=["float16_io", "float32_io"])
+def test_a_half_precision_export_computes_in_float32_and_keeps_its_interface(tmp_path, keep_io):
+    onnx.checker.check_model(_half_precision_net(keep_io), full_check=True)
+    onnx.save(_half_precision_net(keep_io), str(tmp_path / "half.onnx"))
+    model = frontend.load(tmp_path / "half.onnx")
+    # the convs are float32 kernels: the donors' schedules are float32 ones
+    assert {k.dtype for k in kernels.extract(model.mod) if k.anchor_op == "conv2d_nchw"} == {"float32"}
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
+    feed = model.random_inputs()
+    out = compiled.run(feed)[0]
+    assert out.dtype == (np.float32 if keep_io else np.float16)
+    # accumulated in float16, the second conv's sums were 0.02 off onnxruntime's (float32) ones
+    res = runtime.check_against_onnxruntime(compiled, model)
+    assert res.ok and res.max_rel_error < 2e-3, res
+
+
 def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_style, tmp_path):
     with pytest.raises(ModelLoadError):
         frontend.load(paddle_style, {"x": [1, 3, 16, 16]}, simplify_graph="never")

@@ -22,6 +22,7 @@ from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeE
 from .graphopt import clean_up, static_dims
 from .layouts import LAYOUTS, apply_layout
 from .opsets import modernize
+from .precision import widen_half
 from .util import to_native_log
 
 log = logging.getLogger("ttrank")
@@ -477,6 +478,7 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     reference = model
     simplified, because = False, ""
     model, modernized = modernize(model)
+    model, widened = widen_half(model)
     try:
         model, rewritten = rewrite_unsupported(model, str(path))
     except DynamicShapeError as e:
@@ -498,7 +500,7 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
             model, more = rewrite_unsupported(model, str(path))
             rewritten = sorted({*rewritten, *more})
             missing = unsupported_ops(model)
-    rewritten = [*modernized, *rewritten]
+    rewritten = [*modernized, *widened, *rewritten]
     if missing:
         raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
                                  + ", ".join(missing))
