@@ -17,7 +17,7 @@ import torchvision.models as tvm
 from onnxconverter_common import float16
 
 from export_common import export_all
-from export_torchvision import TextEncoder, YoloV5s
+from export_torchvision import TextEncoder, YoloV5s, calibrated
 
 torch.set_num_threads(1)
 torch.backends.mha.set_fastpath_enabled(False)
@@ -34,24 +34,6 @@ MODELS = {
     # onnxruntime refuses: exported after .half() instead)
     "vit_b_32_fp16": (lambda: tvm.vit_b_32(), (1, 3, 224, 224), "half"),
 }
-
-
-def calibrated(m, x):
-    """``m`` with outputs of order one in float16. Random init leaves BatchNorm's running
-    statistics at 0/1, and deep nets' activations shrink below float16's range: every output
-    of EfficientNet-B0 was 0, which checks nothing. A few batches in train mode set the
-    statistics; zero-initialised heads (ViT's) get random weights."""
-    for mod in m.modules():
-        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
-            mod.momentum = None  # a plain average over the batches below
-        if isinstance(mod, torch.nn.Linear) and not mod.weight.any():
-            torch.nn.init.normal_(mod.weight, std=0.02)
-    if any(isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) for mod in m.modules()):
-        m.train()
-        with torch.no_grad():
-            for _ in range(3):
-                m(torch.randn(4, *x.shape[1:]))
-    return m.eval()
 
 
 def writer(name):

@@ -18,6 +18,7 @@ import warnings
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.nn as nn
+import torchvision
 import torchvision.models as tvm
 import torchvision.models.detection as tvdet
 import torchvision.models.segmentation as tvseg
@@ -180,6 +181,26 @@ class YoloV5s(nn.Module):
         return torch.cat(out, 1)
 
 
+class YoloNMS(nn.Module):
+    """The YOLOv5s above exported with its post-processing, as `export(nms=True)`-style
+    deployments have it: confidence threshold, best class, class-aware NMS, at most 300 boxes
+    (NonZero, NonMaxSuppression and data-dependent shapes in the graph). Calibrated."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = calibrated(YoloV5s(), torch.zeros(1, 3, 640, 640))
+
+    def forward(self, x):
+        p = self.m(x)[0]  # (N, 85): cx, cy, w, h, objectness, 80 class scores
+        conf, cls = (p[:, 5:] * p[:, 4:5]).max(1)
+        keep = conf > 0.25
+        p, conf, cls = p[keep], conf[keep], cls[keep]
+        xy, wh = p[:, :2], p[:, 2:4] / 2
+        boxes = torch.cat((xy - wh, xy + wh), 1)
+        i = torchvision.ops.batched_nms(boxes, conf, cls, 0.45)[:300]
+        return boxes[i], conf[i], cls[i]
+
+
 class CRNN(nn.Module):
     """CRNN text recognizer: a VGG-ish conv stack over a 32x128 grey crop, then a two-layer
     bidirectional LSTM over the 32 columns, and per-column class logits."""
@@ -212,12 +233,33 @@ class TextEncoder(nn.Module):
         return self.cls(self.norm(self.enc(self.tok(ids) + self.pos))[:, 0])
 
 
+def calibrated(m, x, part=None):
+    """``m`` with activations of order one. Random init leaves BatchNorm's running statistics
+    at 0/1, and deep nets' activations vanish: every score of a random SSDlite was 1/91, every
+    float16 EfficientNet-B0 logit 0, which checks nothing. A few batches through ``part``
+    (default ``m``; a detector's backbone, as the whole one wants targets in train mode) in
+    train mode set the statistics; zero-initialised heads (ViT's) get random weights."""
+    for mod in m.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            mod.momentum = None  # a plain average over the batches below
+        if isinstance(mod, nn.Linear) and not mod.weight.any():
+            nn.init.normal_(mod.weight, std=0.02)
+    part = part or m
+    if any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in part.modules()):
+        part.train()
+        with torch.no_grad():
+            for _ in range(3):
+                part(torch.randn(4, *x.shape[1:]))
+    return m.eval()
+
+
 class Detections(nn.Module):
-    """A torchvision detector's first image's boxes, scores and labels (NMS included)."""
+    """A torchvision detector's first image's boxes, scores and labels (NMS included), its
+    backbone calibrated (:func:`calibrated`)."""
 
     def __init__(self, m):
         super().__init__()
-        self.m = m
+        self.m = calibrated(m, torch.zeros(1, 3, 320, 320), m.backbone)
 
     def forward(self, x):
         d = self.m(list(x))[0]
@@ -262,6 +304,13 @@ MODELS = {
     "text_encoder": (lambda: TextEncoder(), (1, 128)),
     "ssdlite320_mobilenet_v3_large": (
         lambda: Detections(tvdet.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None)),
+        (1, 3, 320, 320),
+    ),
+    # the third batch (2026-12-06, session 49): detectors with their post-processing in the
+    # graph, which ttrank compiles up to it (ttrank.partition); the SSDlite above recalibrated
+    "yolov5s_nms": (lambda: YoloNMS(), (1, 3, 640, 640)),
+    "fasterrcnn_mobilenet_v3_large_320_fpn": (
+        lambda: Detections(tvdet.fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None)),
         (1, 3, 320, 320),
     ),
 }

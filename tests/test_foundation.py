@@ -253,6 +253,47 @@ def test_a_half_precision_export_computes_in_float32_and_keeps_its_interface(tmp
     assert res.ok and res.max_rel_error < 2e-3, res
 
 
+def _detector_with_nms() -> onnx.ModelProto:
+    """A small detector with its post-processing in the graph, as torchvision's and YOLO's
+    exports have it: box and score heads, NonMaxSuppression, the kept boxes gathered, and an If
+    on the data; plus the feature map as a second output."""
+    g = zoo.GraphBuilder("det", seed=0)
+    f = g.node("Relu", [g.conv(g.input("image", [1, 3, 32, 32]), 3, 16, 3)])
+    f = g.node("Relu", [g.conv(f, 16, 8, 3, stride=2)])  # [1, 8, 16, 16]
+    boxes = g.node("Transpose", [g.reshape(g.conv(f, 8, 4, 1), [1, 4, 256])], perm=[0, 2, 1])
+    scores = g.reshape(g.node("Sigmoid", [g.conv(f, 8, 1, 1)]), [1, 1, 256])
+    keep = g.node("NonMaxSuppression", [boxes, scores, g.const(np.array([20], np.int64)),
+                                        g.const(np.array([0.5], np.float32)), g.const(np.array([0.5], np.float32))])
+    idx = g.node("Gather", [keep, g.const(np.array(2, np.int64))], axis=1)
+    kept = g.node("Gather", [g.reshape(boxes, [256, 4]), idx], axis=0)
+    flat = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    doubled = onnx.helper.make_graph([onnx.helper.make_node("Add", [kept, kept], ["y"])], "then", [], [flat])
+    same = onnx.helper.make_graph([onnx.helper.make_node("Identity", [kept], ["y"])], "else", [], [flat])
+    sure = g.node("Greater", [g.node("ReduceMax", [scores], keepdims=0), g.const(np.array(0.9, np.float32))])
+    g.output(g.node("If", [sure], then_branch=doubled, else_branch=same), None)
+    g.output(f, [1, 8, 16, 16])
+    return g.model()
+
+
+def test_a_detector_compiles_up_to_its_data_dependent_post_processing(tmp_path, capsys):
+    onnx.save(_detector_with_nms(), str(tmp_path / "det.onnx"))
+    model = frontend.load(tmp_path / "det.onnx")
+    # the backbone and the heads' convs are compiled; onnxruntime runs the rest: NMS and If,
+    # and the light ops that only feed them (reshapes, sigmoid, the If's condition)
+    assert model.tail.ops == ["If", "NonMaxSuppression"] and model.tail.nodes == 11
+    assert len(model.tail.cut) == 3  # the two heads' convs, and the feature map (an output)
+    assert {k.anchor_op for k in kernels.extract(model.mod)} >= {"conv2d_nchw"}
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
+    boxes, features = compiled.run(model.random_inputs())
+    assert boxes.ndim == 2 and boxes.shape[1] == 4 and 0 < len(boxes) <= 20 and features.shape == (1, 8, 16, 16)
+    assert runtime.check_against_onnxruntime(compiled, model).ok
+    # the CLI writes the tail beside the library, and says so
+    assert main(["compile", str(tmp_path / "det.onnx"), "-o", str(tmp_path / "det.so")]) == 0
+    assert "runs in onnxruntime" in capsys.readouterr().out
+    tail = onnx.load(str(tmp_path / "det.tail.onnx"))
+    assert {"NonMaxSuppression", "If"} <= {n.op_type for n in tail.graph.node}
+
+
 def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_style, tmp_path):
     with pytest.raises(ModelLoadError):
         frontend.load(paddle_style, {"x": [1, 3, 16, 16]}, simplify_graph="never")

@@ -213,7 +213,12 @@ def cmd_compile(args) -> int:
                           f"onnxruntime {lat['onnxruntime']:.2f} ms")
             if args.profile or args.profile_json:
                 _print_profile(con, args, model, compiled, target)
+        tail = runtime.stage_tail(model, args.output)
         os.replace(staged, args.output)
+        if tail is not None:
+            os.replace(tail, runtime.tail_path(args.output))
+            con.print(f"the graph from its first {'/'.join(model.tail.ops)} on ({model.tail.nodes} nodes) runs "
+                      f"in onnxruntime: {runtime.tail_path(args.output)}")
     finally:
         if staged.exists():
             staged.unlink()
@@ -552,6 +557,9 @@ def _print_report(con, res) -> None:
     if res.max_abs_error_vs_onnxruntime is not None:
         con.print(f"outputs match onnxruntime: max abs error {res.max_abs_error_vs_onnxruntime:.3g}")
     con.print(f"database: {res.database}" + (f"\nlibrary: {res.library}" if res.library else ""))
+    if tail := res.onnxruntime_tail:
+        con.print(f"the graph from its first {'/'.join(tail['ops'])} on ({tail['nodes']} nodes) runs in "
+                  f"onnxruntime after the library" + (f": {tail['file']}" if tail["file"] else ""))
 
 
 def cmd_train(args) -> int:

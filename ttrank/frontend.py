@@ -22,6 +22,7 @@ from .errors import (DynamicShapeError, ImporterError, ModelLoadError, TooLargeE
 from .graphopt import clean_up, static_dims
 from .layouts import LAYOUTS, apply_layout
 from .opsets import modernize
+from .partition import DATA_DEPENDENT, Tail, split_tail
 from .precision import widen_half
 from .util import to_native_log
 
@@ -59,6 +60,9 @@ class LoadedModel:
     simplified_because: str = ""
     # the convolutions' activation layout (ttrank.layouts.LAYOUTS); the interface stays NCHW
     layout: str = "nchw"
+    # the end of the graph that runs in onnxruntime after ``mod`` (ttrank.partition): a
+    # detector's post-processing, whose shapes follow the data
+    tail: Tail | None = None
     # its kernels per target (ttrank.kernels.model_kernels): choosing a layout and recommend
     # both need them, and extraction costs seconds on a large network
     kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -501,9 +505,9 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
             rewritten = sorted({*rewritten, *more})
             missing = unsupported_ops(model)
     rewritten = [*modernized, *widened, *rewritten]
-    if missing:
-        raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
-                                 + ", ".join(missing))
+    tail = None
+    if missing or any(n.op_type in DATA_DEPENDENT for n in model.graph.node):
+        model, tail = _cut_tail(model, missing, path)
     if rewritten:
         log.info("rewritten for TVM's importer: %s", ", ".join(rewritten))
     if simplify_graph == "always" and not simplified:
@@ -541,9 +545,28 @@ def load(path: str | Path, input_shapes: dict[str, list[int]] | None = None,
     if fast_math:
         mod = with_fast_math(mod)
     # weights stay bound as constants: FoldConstant and the tuned kernels see real shapes
-    return LoadedModel(str(path), reference if rewritten else model, specs, mod, {}, simplified, fast_math,
-                       because).in_layout(
-        layout, target)
+    return LoadedModel(str(path), reference if rewritten or tail else model, specs, mod, {}, simplified,
+                       fast_math, because, tail=tail).in_layout(layout, target)
+
+
+def _cut_tail(model: onnx.ModelProto, missing: list[str], path) -> tuple[onnx.ModelProto, Tail | None]:
+    """``model`` up to its data-dependent end, and that end (:mod:`ttrank.partition`); an op the
+    importer lacks anywhere else is one :class:`UnsupportedOpError`."""
+    try:
+        got = split_tail(model, missing)
+    except ValueError as e:
+        got, why = None, f" ({e})"
+    else:
+        why = ""
+    if got is None:
+        if missing:
+            raise UnsupportedOpError(f"{path}: unsupported ONNX op(s) for TVM's importer: "
+                                     + ", ".join(missing) + why)
+        return model, None
+    head, tail = got
+    log.info("the graph from its first %s on (%d nodes) runs in onnxruntime, fed by the compiled part",
+             "/".join(tail.ops), tail.nodes)
+    return head, tail
 
 
 def _simplify(model: onnx.ModelProto, path) -> onnx.ModelProto:

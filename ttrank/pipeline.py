@@ -33,7 +33,7 @@ from .ranker import Ranker, data_cpus
 from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, same_anchor,
                       shortlist)
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
-                      write_database)
+                      stage_tail, tail_path, write_database)
 from .space import SMALL_SPACE_DRAWS, SPACE_NETWORK, draw_seconds, small_space, space_candidates
 from .templates import template_candidates
 from .target import (ForeignLoad, cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance,
@@ -138,10 +138,14 @@ class Result:
     # the model's estimated latency (sum of weight x best kernel so far) after the untuned
     # kernels, after each measured batch and after tuning: what more time bought, and would buy
     anytime: list[dict] = field(default_factory=list)
+    # the graph's data-dependent end, run by onnxruntime after the library (ttrank.partition):
+    # the ops that start it, its nodes and its file
+    onnxruntime_tail: dict | None = None
 
     def to_json(self) -> dict:
         return {"model": self.model, "target": self.target, "database": self.database,
-                "library": self.library, "model_latency_ms": self.model_latency_ms,
+                "library": self.library, "onnxruntime_tail": self.onnxruntime_tail,
+                "model_latency_ms": self.model_latency_ms,
                 "max_abs_error_vs_onnxruntime": self.max_abs_error_vs_onnxruntime,
                 "search_seconds": self.search_seconds, "anytime": self.anytime,
                 "provenance": self.provenance, "kernels": [k.to_json() for k in self.kernels]}
@@ -312,7 +316,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
                                           "measure_budget_s": measure_budget_s,
                                           "candidates_left_unmeasured": unmeasured},
-                  anytime)
+                  anytime, model.tail and {"ops": model.tail.ops, "nodes": model.tail.nodes,
+                                           "file": str(tail_path(output)) if output else None})
 
 
 def cpu_mismatch(ranker: Ranker, target, top_k: int | None = None) -> str:
@@ -913,6 +918,8 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
         lib = export_staged(ex, output, target) if output else None
         if lib is not None:
             moves.append((lib, Path(output)))
+            if (tail := stage_tail(model, output)) is not None:
+                moves.append((tail, tail_path(output)))
         compiled = None
         if not foreign:
             compiled = CompiledModel.load(lib, model) if lib else CompiledModel.from_executable(ex, model)

@@ -19,6 +19,7 @@ import numpy as np
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
 from .measure import WarmPoolBuilder
+from .partition import Tail
 from .target import cross_compiler, host_cores, is_foreign, provenance, runtime_threads
 from .util import write_failure
 
@@ -158,10 +159,28 @@ def export_staged(executable, path: str | Path, target=None) -> Path:
     return Path(tmp)
 
 
+def tail_path(library: str | Path) -> Path:
+    """Where the onnxruntime tail of a compiled library is written: beside it, NAME.tail.onnx."""
+    library = Path(library)
+    return library.with_name(f"{library.stem}.tail.onnx")
+
+
+def stage_tail(model: LoadedModel, library: str | Path) -> Path | None:
+    """``model``'s tail (ttrank.partition) in a temp file beside :func:`tail_path`, for the
+    caller to rename into place with the library; None when the whole model is compiled."""
+    if model.tail is None:
+        return None
+    dst = tail_path(library)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.stem}.", suffix=".onnx")
+    with os.fdopen(fd, "wb") as f:
+        f.write(model.tail.model.SerializeToString())
+    return Path(tmp)
+
+
 class CompiledModel:
     """A compiled model loaded in a Relax VM."""
 
-    def __init__(self, lib, inputs):
+    def __init__(self, lib, inputs, tail: Tail | None = None):
         import tvm
         from tvm import relax
 
@@ -169,31 +188,47 @@ class CompiledModel:
         self.lib = lib  # a second VM over it can be instrumented (ttrank.profiling)
         self.vm = relax.VirtualMachine(lib, self.dev)
         self.inputs = inputs
+        # the graph's data-dependent end, run by onnxruntime on what the VM returns
+        self.tail = tail
+        self._tail_session = ort_session(tail.model) if tail is not None else None
 
     @classmethod
     def load(cls, path: str | Path, model: LoadedModel) -> CompiledModel:
         import tvm
 
-        return cls(tvm.runtime.load_module(str(path)), model.inputs)
+        return cls(tvm.runtime.load_module(str(path)), model.inputs, model.tail)
 
     @classmethod
     def from_executable(cls, executable, model: LoadedModel) -> CompiledModel:
-        return cls(executable, model.inputs)
+        return cls(executable, model.inputs, model.tail)
 
     def _args(self, feed: dict[str, np.ndarray]):
         import tvm
 
         return [tvm.runtime.tensor(feed[s.name], self.dev) for s in self.inputs]
 
-    def run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run_compiled(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The compiled part's outputs: the model's, or the values its tail reads (``tail.cut``)."""
         out = self.vm["main"](*self._args(feed))
         return [o.numpy() for o in out] if not hasattr(out, "numpy") else [out.numpy()]
+
+    def run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        got = self.run_compiled(feed)
+        if self.tail is None:
+            return got
+        made = dict(zip(self.tail.cut, got))
+        late = self._tail_session.run(None, {n: made[n] if n in made else feed[n] for n in self.tail.inputs})
+        made.update(zip((v.name for v in self.tail.model.graph.output), late))
+        return [made[n] for n in self.tail.outputs]
 
     def time_ms(self, feed: dict[str, np.ndarray], repeat: int = 5, min_repeat_ms: int = 200,
                 budget_s: float = 20.0) -> float:
         """Minimum over repeats of the mean latency (ms), with time_evaluator. A first run gauges
         the model: a slow one (an untuned transformer takes minutes) gets fewer repeats, so
         timing stays near ``budget_s``."""
+        if self.tail is not None:  # half of it runs in onnxruntime: timed from Python
+            timed = self.timer(feed, min_repeat_ms)
+            return min(timed() for _ in range(repeat))
         self.vm.set_input("main", *self._args(feed))
         t0 = time.perf_counter()
         self.vm.invoke_stateful("main")
@@ -212,6 +247,9 @@ class CompiledModel:
         """A function that times one round (ms): the mean of back-to-back runs over at least
         ``min_repeat_ms`` (one run of a slower model). The inputs are set, and the model run
         once to warm up, here: rounds in alternation then pay for nothing but the runs."""
+        if self.tail is not None:  # the VM, then onnxruntime on its outputs
+            self.run(feed)
+            return lambda: _round_ms(lambda: self.run(feed), min_repeat_ms)
         self.vm.set_input("main", *self._args(feed))
         self.vm.invoke_stateful("main")
         f = self.vm.time_evaluator("invoke_stateful", self.dev, number=1, repeat=1, min_repeat_ms=min_repeat_ms)
@@ -242,11 +280,15 @@ def onnxruntime_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> li
 
 
 def _ort_round_ms(sess, feed: dict[str, np.ndarray], min_repeat_ms: int) -> float:
-    """One round of an onnxruntime session (ms): the mean of back-to-back runs over at least
-    ``min_repeat_ms``, as :meth:`CompiledModel.timer` times one."""
+    """One round of an onnxruntime session (ms), as :meth:`CompiledModel.timer` times one."""
+    return _round_ms(lambda: sess.run(None, feed), min_repeat_ms)
+
+
+def _round_ms(run: Callable[[], object], min_repeat_ms: int) -> float:
+    """One round (ms): the mean of back-to-back ``run()`` calls over at least ``min_repeat_ms``."""
     n, t0 = 0, time.perf_counter()
     while True:
-        sess.run(None, feed)
+        run()
         n += 1
         el = time.perf_counter() - t0
         if el * 1e3 >= min_repeat_ms:
@@ -296,11 +338,31 @@ def check_against_onnxruntime(compiled: CompiledModel, model: LoadedModel, seed:
                               atol: float = 1e-3, rtol: float = 1e-3) -> CheckResult:
     feed = model.random_inputs(seed)
     try:
-        ref = onnxruntime_reference(model, feed)
+        ref = onnxruntime_reference(model, feed) if model.tail is None else cut_reference(model, feed)
     except Exception as e:
         raise TTRankError(f"onnxruntime cannot run this model, so outputs cannot be checked: "
                           f"{str(e).splitlines()[0][:300]}") from None
+    if model.tail is not None:
+        # the tail is onnxruntime running the graph's own nodes: what the compiled part hands
+        # it is what is checked (past it, a threshold or an NMS over near-equal scores turns a
+        # 1e-6 difference into another box)
+        return check_outputs(compiled.run_compiled(feed), ref, atol, rtol)
     return check_outputs(compiled.run(feed), ref, atol, rtol)
+
+
+def cut_reference(model: LoadedModel, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """onnxruntime's values for what ``model``'s compiled part hands its tail: computed by the
+    file as given when it has them all (names survive the rewrites), else by the compiled
+    part's own graph."""
+    import onnx
+
+    cut, graph = model.tail.cut, model.tail.head
+    if set(cut) <= {o for n in model.onnx_model.graph.node for o in n.output}:
+        graph = onnx.ModelProto()
+        graph.CopyFrom(model.onnx_model)
+        del graph.graph.output[:]
+        graph.graph.output.extend(onnx.helper.make_empty_tensor_value_info(c) for c in cut)
+    return ort_session(graph).run(cut, feed)
 
 
 def host_cannot_time(target, remote: bool = False) -> str | None:
