@@ -8,8 +8,11 @@ so nothing is downloaded) through torch.onnx, as their users export them.
 ttrank does not depend on torch, hence the venv of its own. Writes OUT_DIR/<name>.onnx (the
 legacy TorchScript exporter, opset 17), <name>_dynamo.onnx for a few models (the torch.export
 based exporter, opset 20), and resnet34_dynbatch.onnx (legacy, a dynamic batch axis), plus a
-hand-written DBNet-like text detector (ConvTranspose and bilinear upsampling). Failures go to
-OUT_DIR/export_failures.json. On 2026-12-06 every one exported and ran in onnxruntime.
+hand-written DBNet-like text detector (ConvTranspose and bilinear upsampling). The detectors
+with NMS in the graph (SSDlite, Faster R-CNN, a YOLOv5s with its post-processing) have their
+BatchNorm statistics set by a few batches (:func:`calibrated`): at random init their scores were
+all equal. Failures go to OUT_DIR/export_failures.json. On 2026-12-06 every one exported and
+ran in onnxruntime.
 """
 import os
 import sys

@@ -14,8 +14,9 @@ changed, or with --force) and tabled in exports.md: ttrank's latency against onn
 timed in alternation in the same run, the phases, and the one line a failure ends with. No
 export is committed: bench/export_torchvision.py makes the torchvision ones,
 bench/export_hub.py the timm and transformers ones (they need torch, which ttrank does not),
-bench/export_keras.py Keras models through tf2onnx and torchvision's at old opsets (7-12), and
-bench/export_paddle.py PaddlePaddle models through paddle2onnx.
+bench/export_keras.py Keras models through tf2onnx and torchvision's at old opsets (7-12),
+bench/export_paddle.py PaddlePaddle models through paddle2onnx, and bench/export_half.py
+float16 exports.
 """
 
 from __future__ import annotations

@@ -89,6 +89,8 @@ def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[on
     tail_reads = {i for n in tail for i in _reads(n)}
     cut = [v for v in _ordered(tail_reads) if v in made]
     early_outputs = [v.name for v in g.output if v.name in made]
+    if not cut and not early_outputs:  # the heavy ops feed nothing that is kept
+        return None
     types = _value_types(model)
     missing = [v for v in cut if v not in types]
     if missing:
