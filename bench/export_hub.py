@@ -8,9 +8,16 @@ hand-written ones (a diffusion-style UNet and a GRU keyword spotter), as their u
 
 The transformers exports have dynamic batch and sequence axes, as Optimum writes them, so each
 gets OUT_DIR/<name>.args with the --input-shape that binds them (bench/exports.py passes it).
-Shares its export loop with bench/export_torchvision.py.
+Shares its export loop with bench/export_torchvision.py. A fourth batch: CLIP (text and image
+inputs), DETR, an ESPCN-style super-resolution net (PixelShuffle), and DistilBERT after
+onnxruntime's transformer optimizer (com.microsoft ops):
+
+    OMP_NUM_THREADS=1 /tmp/tv/bin/python bench/export_hub.py OUT_DIR clip_vit_b32 detr_resnet18 \
+        sr_pixelshuffle distilbert_ortopt
 """
+import os
 import sys
+import tempfile
 
 # first: it sets the thread counts before torch loads
 from export_torchvision import export_dynamo, export_legacy
@@ -144,6 +151,76 @@ MODELS = {
     "segformer_b0": (lambda: Hidden(hf.SegformerForSemanticSegmentation(hf.SegformerConfig()), "logits"),
                      (1, 3, 512, 512)),
 }
+# the fourth batch (2026-12-06, session 49): models with several image/text inputs, a set
+# prediction detector, sub-pixel upsampling; static shapes. name -> (builder, example inputs)
+class Clip(nn.Module):
+    """CLIP ViT-B/32 (text and image towers): the image-text logits of one image and one text."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = hf.CLIPModel(hf.CLIPConfig())
+
+    def forward(self, ids, pixels):
+        return self.m(input_ids=ids, pixel_values=pixels).logits_per_image
+
+
+class Detr(nn.Module):
+    """DETR with a ResNet-18 backbone (timm): class logits and boxes of its 100 queries."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = hf.DetrForObjectDetection(hf.DetrConfig(use_timm_backbone=True, use_pretrained_backbone=False,
+                                                         backbone="resnet18"))
+
+    def forward(self, x):
+        o = self.m(pixel_values=x)
+        return o.logits, o.pred_boxes
+
+
+class SubPixel(nn.Module):
+    """ESPCN-style 3x super-resolution: tanh convs, then PixelShuffle (DepthToSpace)."""
+
+    def __init__(self, r=3):
+        super().__init__()
+        self.b = nn.Sequential(nn.Conv2d(3, 64, 5, padding=2), nn.Tanh(), nn.Conv2d(64, 32, 3, padding=1), nn.Tanh(),
+                               nn.Conv2d(32, 3 * r * r, 3, padding=1), nn.PixelShuffle(r))
+
+    def forward(self, x):
+        return self.b(x)
+
+
+STATIC = {
+    "clip_vit_b32": (lambda: Clip(), (torch.randint(0, 1000, (1, 77)), torch.randn(1, 3, 224, 224))),
+    "detr_resnet18": (lambda: Detr(), (torch.randn(1, 3, 320, 320),)),
+    "sr_pixelshuffle": (lambda: SubPixel(), (torch.randn(1, 3, 128, 128),)),
+}
+# onnxruntime's transformer optimizer run on the legacy export of <base> (SkipLayerNormalization,
+# BiasGelu: com.microsoft ops), as Optimum's optimized exports have it. name -> (base, its arguments)
+ORT_OPTIMIZED = {"distilbert_ortopt": ("distilbert", {"model_type": "bert", "num_heads": 12, "hidden_size": 768})}
+
+
+def static_writer(name):
+    def write(path):
+        fn, x = STATIC[name]
+        torch.manual_seed(0)
+        with torch.no_grad():
+            torch.onnx.export(fn().eval(), x, path, opset_version=17, dynamo=False)
+    return write
+
+
+def ort_optimized_writer(name):
+    def write(path):
+        from onnxruntime.transformers import optimizer
+
+        base, kw = ORT_OPTIMIZED[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            base_path = os.path.join(tmp, base + ".onnx")
+            cli = writer(base, "legacy")(base_path)
+            optimizer.optimize_model(base_path, opt_level=1, **kw).save_model_to_file(path)
+        return cli
+    return write
+
+
 DYNAMO = ["mobilevit_s", "distilbert", "unet"]
 # transformers 5 builds GPT-2's causal mask with aten::diff, which the legacy exporter lacks
 DYNAMO_ONLY = ["gpt2_6l"]
@@ -181,6 +258,12 @@ def writer(name, kind):
 def main(names):
     jobs = []
     for n in names:
+        if n in STATIC:
+            jobs.append((n, static_writer(n)))
+            continue
+        if n in ORT_OPTIMIZED:  # after its base model
+            jobs.append((n, ort_optimized_writer(n)))
+            continue
         if n not in DYNAMO_ONLY:
             jobs.append((n, writer(n, "legacy")))
         if n in DYNAMO + DYNAMO_ONLY:
@@ -191,4 +274,4 @@ def main(names):
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[2:] or list(MODELS))
+    main(sys.argv[2:] or [*MODELS, *STATIC, *ORT_OPTIMIZED])
