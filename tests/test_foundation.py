@@ -294,6 +294,21 @@ def test_a_detector_compiles_up_to_its_data_dependent_post_processing(tmp_path, 
     assert {"NonMaxSuppression", "If"} <= {n.op_type for n in tail.graph.node}
 
 
+def test_a_data_dependent_op_on_constants_cuts_nothing(tmp_path):
+    # YOLO exports at opset 10 build their grid with NonZero on a ConstantOfShape: it folds
+    g = zoo.GraphBuilder("grid", seed=0)
+    ones = g.node("ConstantOfShape", [g.const(np.array([4, 4], np.int64))],
+                  value=onnx.numpy_helper.from_array(np.ones(1, np.float32)))
+    grid = g.node("Cast", [g.node("Transpose", [g.node("NonZero", [ones])], perm=[1, 0])], to=onnx.TensorProto.FLOAT)
+    x = g.reshape(g.conv(g.input("x", [1, 3, 4, 4]), 3, 2, 1), [2, 16])  # [2, 16]
+    g.output(g.node("MatMul", [x, grid]), [2, 2])
+    onnx.save(g.model(), str(tmp_path / "grid.onnx"))
+    model = frontend.load(tmp_path / "grid.onnx")
+    assert model.tail is None
+    compiled = runtime.CompiledModel.from_executable(runtime.compile_model(model, make_target()), model)
+    assert runtime.check_against_onnxruntime(compiled, model).ok
+
+
 def test_exporter_style_dynamic_reshape_imports_after_simplification(paddle_style, tmp_path):
     with pytest.raises(ModelLoadError):
         frontend.load(paddle_style, {"x": [1, 3, 16, 16]}, simplify_graph="never")

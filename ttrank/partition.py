@@ -30,7 +30,7 @@ class Tail:
 
     model: onnx.ModelProto  # its inputs: ``cut`` and the model inputs it reads
     head: onnx.ModelProto  # the compiled part as ONNX: what its outputs are checked against
-    cut: list[str]  # the compiled part's outputs, in order
+    cut: list[str]  # the compiled part's outputs, in order: what the tail reads, and model outputs
     outputs: list[str]  # the whole model's outputs, in order
     ops: list[str]  # the op types that start it
     nodes: int
@@ -41,10 +41,11 @@ class Tail:
 
 
 def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[onnx.ModelProto, Tail] | None:
-    """``model`` cut before its first node of :data:`DATA_DEPENDENT` or ``stop_ops`` (ops the
-    importer lacks): (the part to compile, its :class:`Tail`), or None when there is nothing to
-    cut or nothing before the cut. ``model``'s input shapes must be bound: the cut's values are
-    typed by shape inference."""
+    """``model`` cut before its first node of :data:`DATA_DEPENDENT` on the inputs' data or of
+    ``stop_ops`` (ops the importer lacks), and before the light nodes that only feed what
+    follows: (the part to compile, its :class:`Tail`), or None when there is nothing to cut or
+    no heavy op before the cut. ``model``'s input shapes must be bound: the cut's values are
+    typed by shape inference (a value it cannot type is a ValueError)."""
     g = model.graph
     stop_ops = set(stop_ops)
     nodes = list(g.node)
@@ -87,20 +88,18 @@ def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[on
     made = {o for n in head for o in n.output if o}
     inputs = [v for v in g.input if v.name not in {t.name for t in g.initializer}]
     tail_reads = {i for n in tail for i in _reads(n)}
-    cut = [v for v in _ordered(tail_reads) if v in made]
-    early_outputs = [v.name for v in g.output if v.name in made]
-    if not cut and not early_outputs:  # the heavy ops feed nothing that is kept
+    cut = sorted(v for v in tail_reads if v in made)
+    handed = _unique([*cut, *(v.name for v in g.output if v.name in made)])  # the compiled part's outputs
+    if not handed:  # the heavy ops feed nothing that is kept
         return None
     types = _value_types(model)
-    missing = [v for v in cut if v not in types]
-    if missing:
-        raise ValueError(f"shape inference gives no type for {missing[0]}, where the graph is cut")
+    if untyped := [v for v in handed if v not in types]:
+        raise ValueError(f"shape inference gives no type for {untyped[0]}, where the graph is cut")
 
-    head_model = _with(model, head, inputs, [types[v] for v in _unique([*cut, *early_outputs])])
+    head_model = _with(model, head, inputs, [types[v] for v in handed])
     tail_inputs = [types[v] for v in cut] + [v for v in inputs if v.name in tail_reads]
     tail_model = _with(model, tail, tail_inputs, [v for v in g.output if v.name not in made])
-    return head_model, Tail(tail_model, head_model, _unique([*cut, *early_outputs]), [v.name for v in g.output],
-                            sorted(why), len(tail))
+    return head_model, Tail(tail_model, head_model, handed, [v.name for v in g.output], sorted(why), len(tail))
 
 
 def _with(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs, outputs) -> onnx.ModelProto:
@@ -136,10 +135,6 @@ def _captured(g: onnx.GraphProto) -> Iterator[str]:
                 yield i
         own.update(n.output)
     yield from (v.name for v in g.output if v.name not in own)
-
-
-def _ordered(names) -> list[str]:
-    return sorted(set(names))
 
 
 def _unique(names: list[str]) -> list[str]:
