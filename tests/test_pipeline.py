@@ -20,7 +20,7 @@ from ttrank.ranker import Ranker, meta_path
 from ttrank.ranking import policy_of
 from ttrank.space import small_space
 from ttrank.target import make_target
-from ttrank.workdir import write_build_seconds
+from ttrank.workdir import loaded_as, write_build_seconds
 
 
 from conftest import _collect_tiny_cnn  # noqa: E402
@@ -284,6 +284,8 @@ def test_recommend_end_to_end(trained, donor_dir, tiny_cnn, tmp_path, capsys):
 
     db = ms.database.JSONDatabase(work_dir=r["database"])
     assert len(db.get_all_tuning_records()) == len(tuned)
+    # beside it, how the model was loaded: `ttrank compile --database` loads it the same way
+    assert loaded_as(r["database"]) == {"layout": r["provenance"]["layout"], "fast_math": True}
     # learning from every run: measurements were appended, and a rerun measures nothing new
     table = tmp_path / "data" / "measurements" / "tiny_cnn.jsonl"
     n = len(table.read_text().splitlines())

@@ -19,7 +19,8 @@ from ttrank import donors, frontend, kernels, measure, measurements, transfer, u
 from ttrank.cli import main
 from ttrank.target import make_target
 from ttrank.tune import count_trials, tune
-from ttrank.workdir import RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, merge_work_dir, open_database
+from ttrank.workdir import (RECORD_FILE, TRIALS_FILE, WORKLOAD_FILE, loaded_as, merge_work_dir, open_database,
+                            write_loaded_as)
 
 from conftest import DONOR_KERNELS
 
@@ -515,6 +516,21 @@ def test_compile_with_a_database_writes_only_the_checked_library(donor_dir, tmp_
     printed = capsys.readouterr().out
     assert "check vs onnxruntime" in printed and "OK" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_resnet.so"]
+
+
+def test_compile_with_a_database_loads_the_model_as_its_kernels_were_tuned(donor_dir, tmp_path, capsys):
+    # recommend packs a CNN's convs (--layout auto) and records it beside its database: loaded
+    # in another layout, no conv's workload would match and every conv would compile untuned
+    db = tmp_path / "db"
+    shutil.copytree(donor_dir, db)
+    assert loaded_as(db) == {"layout": "nchw"}  # a tune run's manifest says it too
+    write_loaded_as(db, "nchwc", True)
+    assert main(["compile", "zoo:tiny_resnet", "--database", str(db), "-o", str(tmp_path / "r.so")]) == 0
+    assert "layout: nchwc (the database's kernels were tuned in it)" in capsys.readouterr().out
+    # a layout given on the command line wins
+    assert main(["compile", "zoo:tiny_resnet", "--database", str(db), "--layout", "nchw",
+                 "-o", str(tmp_path / "r.so")]) == 0
+    assert "layout:" not in capsys.readouterr().out
 
 
 def test_two_tuning_runs_of_a_network_merge_into_one_donor_set(donor_dir, tmp_path):

@@ -26,7 +26,7 @@ from .pipeline import MEASURE_SECONDS
 from .ranker import Ranker
 from .target import cross_compiler, machine_busy, make_target, provenance
 from .util import atomic_write_json, cache_dir, on_sigint, say
-from .workdir import open_database
+from .workdir import loaded_as, open_database
 
 log = logging.getLogger("ttrank")
 
@@ -50,7 +50,7 @@ def _setup_logging(verbose: int) -> None:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
 
 
-def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False) -> None:
+def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False, database_layout: bool = False) -> None:
     p.add_argument("model", help="ONNX file, or zoo:NAME for a zoo network")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
                    help="bind an input's dims (repeatable), e.g. input:1,3,224,224")
@@ -66,7 +66,7 @@ def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False) -> No
     # the default since fast math became it; kept so that earlier commands still run
     math.add_argument("--fast-math", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", choices=list(LAYOUTS) + (["auto"] if auto_layout else []),
-                   default="auto" if auto_layout else "nchw",
+                   default="auto" if auto_layout else None if database_layout else "nchw",
                    help="the convolutions' activation layout: nchw (as exported), nchwc (packed "
                         "convs blocked by the target's vector width, as onnxruntime's CPU "
                         "kernels), nchwc-dense (the dense convs packed, depthwise ones as "
@@ -75,7 +75,8 @@ def _add_model_args(p: argparse.ArgumentParser, auto_layout: bool = False) -> No
                         + ("; auto (the default): nchwc when the packing reaches the model's convs "
                            "and the donor store has packed schedules for every one, nchwc-dense "
                            "when only its depthwise convs have none, else nchw"
-                           if auto_layout else " (default: nchw)"))
+                           if auto_layout else " (default: the one --database was tuned in, else nchw)"
+                           if database_layout else " (default: nchw)"))
 
 
 def load_model_arg(args, target=None, layout: str | None = None):
@@ -185,6 +186,13 @@ def cmd_compile(args) -> int:
     if (args.profile or args.profile_json) and args.no_check:
         raise TTRankError("--profile runs the compiled model beside onnxruntime; drop --no-check")
     target = make_target(args.target)
+    # the model loaded as the database's kernels were (recommend packs a CNN's convs): in
+    # another layout no workload matches, and every conv compiles untuned
+    how = loaded_as(args.database) if args.database else {}
+    if args.layout is None and how.get("layout"):
+        con.print(f"layout: {how['layout']} (the database's kernels were tuned in it)")
+    args.layout = args.layout or how.get("layout", "nchw")
+    args.exact_math = args.exact_math or how.get("fast_math") is False
     model = load_model_arg(args, target)
     _check_output_space(model, Path(args.output))  # before compiling, not after
     database = None
@@ -686,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_kernels)
 
     c = sub.add_parser("compile", help="compile and export a model (untuned, or with a database)")
-    _add_model_args(c)
+    _add_model_args(c, database_layout=True)
     c.add_argument("-o", "--output", required=True, help="output library (.so)")
     c.add_argument("--database", help="a MetaSchedule JSONDatabase work_dir to apply")
     c.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")

@@ -43,6 +43,7 @@ from .transfer import Transferred, postprocessors, transfer
 from .tune import TUNING_PROTOCOL, Seed, fit_search, tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
+from .workdir import write_loaded_as
 
 # candidates per measuring batch: a batch's builds end with its slowest one, while the other
 # workers idle, so a batch needs many builds per worker (R18's 70 candidates, simulated from
@@ -908,6 +909,7 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
     staged = db_dir.with_name(f".{db_dir.name}.staged")
     tuned = {n for n, r in reports.items() if r.status == "tuned-missing"}  # their search beat the default
     database = write_database(staged, kernels, chosen, target, _latencies(chosen, reports), extra_db, tuned)
+    write_loaded_as(staged, model.layout, model.fast_math)  # what `ttrank compile --database` loads it as
     ex = compile_model(model, target, database, compile_objects if output else None,
                        kept_objects if output else None)
     foreign = is_foreign(target)

@@ -23,6 +23,8 @@ WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 TRIALS_FILE = "trials.jsonl"
 MANIFEST_FILE = "tune_manifest.json"
+# how the model whose kernels a database holds was loaded (written by recommend)
+LOADED_AS_FILE = "loaded_as.json"
 # per record (by trace hash), the seconds its program took to compile on its own workload
 # (bench/build_seconds.py): recommend keeps the rare very slow builds for a kernel's first pick
 BUILD_FILE = "build_seconds.json"
@@ -134,6 +136,22 @@ def read_manifest(work_dir: str | Path) -> dict:
 
 def write_manifest(work_dir: str | Path, manifest: dict) -> None:
     atomic_write_json(Path(work_dir) / MANIFEST_FILE, manifest)
+
+
+def write_loaded_as(work_dir: str | Path, layout: str, fast_math: bool) -> None:
+    """Record how the model whose kernels ``work_dir`` holds was loaded: workloads match only a
+    model loaded the same way (its convs' layout, its math)."""
+    atomic_write_json(Path(work_dir) / LOADED_AS_FILE, {"layout": layout, "fast_math": fast_math})
+
+
+def loaded_as(work_dir: str | Path) -> dict:
+    """How the model of ``work_dir``'s kernels was loaded: {"layout", "fast_math"} as recommend
+    wrote them, the layout of a tune run's manifest, or {} when neither says."""
+    try:
+        return json.loads((Path(work_dir) / LOADED_AS_FILE).read_text())
+    except (OSError, ValueError):
+        layout = read_manifest(work_dir).get("layout")
+        return {"layout": layout} if layout else {}
 
 
 def read_build_seconds(work_dir: str | Path) -> dict[str, float]:
