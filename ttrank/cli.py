@@ -203,6 +203,7 @@ def cmd_compile(args) -> int:
         staged = runtime.export_staged(runtime.compile_model(model, target), args.output, target)
     else:  # the kernels compiled in parallel, one build worker per core
         staged = runtime.compile_in_parallel(model, target, database, args.output)
+    tail = None  # the onnxruntime tail's temp file, staged beside the library's
     try:
         con.print(f"compiled {model.name} in {time.time() - t0:.1f} s "
                   f"({'database ' + args.database if database else 'default CPU pipeline, untuned'})")
@@ -228,8 +229,9 @@ def cmd_compile(args) -> int:
             con.print(f"the graph from its first {'/'.join(model.tail.ops)} on ({model.tail.nodes} nodes) runs "
                       f"in onnxruntime: {runtime.tail_path(args.output)}")
     finally:
-        if staged.exists():
-            staged.unlink()
+        for left in (staged, tail):
+            if left is not None and left.exists():
+                left.unlink()
     con.print(f"wrote {args.output}")
     return 0
 

@@ -226,7 +226,7 @@ class CompiledModel:
         """Minimum over repeats of the mean latency (ms), with time_evaluator. A first run gauges
         the model: a slow one (an untuned transformer takes minutes) gets fewer repeats, so
         timing stays near ``budget_s``."""
-        if self.tail is not None:  # half of it runs in onnxruntime: timed from Python
+        if self.tail is not None:  # its end runs in onnxruntime: timed from Python
             timed = self.timer(feed, min_repeat_ms)
             return min(timed() for _ in range(repeat))
         self.vm.set_input("main", *self._args(feed))
