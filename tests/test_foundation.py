@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from ttrank import frontend, graphopt, kernels, runtime, zoo
+from ttrank import frontend, graphopt, kernels, precision, runtime, zoo
 from ttrank.cli import main
 from ttrank.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
 from ttrank.target import isa_intrinsics_module, make_target
@@ -251,6 +251,28 @@ def test_a_half_precision_export_computes_in_float32_and_keeps_its_interface(tmp
     # accumulated in float16, the second conv's sums were 0.02 off onnxruntime's (float32) ones
     res = runtime.check_against_onnxruntime(compiled, model)
     assert res.ok and res.max_rel_error < 2e-3, res
+
+
+def test_a_half_precision_body_reads_the_widened_input(tmp_path):
+    # an If whose branches read the float16 graph input: they read its float32 twin after the rewrite
+    h = onnx.helper
+    y = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, None)
+    then = h.make_graph([h.make_node("Identity", ["x"], ["y"])], "then", [], [y])
+    other = h.make_graph([h.make_node("Neg", ["x"], ["y"])], "else", [], [y])
+    g = h.make_graph([h.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+                      h.make_node("Greater", ["m", "zero"], ["c"]),
+                      h.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)], "g",
+                     [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, [2, 3])],
+                     [h.make_tensor_value_info("out", onnx.TensorProto.FLOAT16, [2, 3])],
+                     [onnx.numpy_helper.from_array(np.array(0.0, np.float16), "zero")])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    widened, changed = precision.widen_half(model)
+    onnx.checker.check_model(widened, full_check=True)
+    assert changed and widened.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    for seed in (0, 1):
+        x = {"x": np.random.default_rng(seed).standard_normal((2, 3)).astype(np.float16)}
+        want, got = (runtime.ort_session(m).run(None, x)[0] for m in (model, widened))
+        assert got.dtype == np.float16 and np.array_equal(got, want)
 
 
 def _detector_with_nms() -> onnx.ModelProto:

@@ -118,13 +118,20 @@ def _value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return {v.name: v for v in (*g.value_info, *g.input, *g.output) if v.type.tensor_type.elem_type}
 
 
+def subgraphs(n: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """A node's bodies: an If's branches, a Loop's or Scan's body."""
+    for a in n.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
 def _reads(n: onnx.NodeProto) -> Iterator[str]:
     """The values a node reads: its inputs, and those its subgraphs take from outside them."""
     yield from (i for i in n.input if i)
-    for a in n.attribute:
-        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                    a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-            yield from _captured(sub)
+    for sub in subgraphs(n):
+        yield from _captured(sub)
 
 
 def _captured(g: onnx.GraphProto) -> Iterator[str]:

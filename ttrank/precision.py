@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .partition import subgraphs
+
 F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
 # ops whose attribute names the type of what they make
 _DTYPE_ATTR = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
@@ -84,20 +86,12 @@ def _widen_graph(g: onnx.GraphProto) -> None:
                 a.i = F32
             elif a.name == _TENSOR_ATTR.get(n.op_type) and a.t.data_type == F16:
                 a.t.CopyFrom(_widened(a.t))
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _widen_graph(a.g)
-                _widen_io(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
-                    _widen_graph(sub)
-                    _widen_io(sub)
-
-
-def _widen_io(g: onnx.GraphProto) -> None:
-    """A subgraph's own inputs and outputs (a Loop's or If's body) are values of the outer graph."""
-    for v in (*g.input, *g.output):
-        if _elem(v) == F16:
-            v.type.tensor_type.elem_type = F32
+        for sub in subgraphs(n):
+            _widen_graph(sub)
+            # a body's own inputs and outputs (a Loop's, an If's) are values of the outer graph
+            for v in (*sub.input, *sub.output):
+                if _elem(v) == F16:
+                    v.type.tensor_type.elem_type = F32
 
 
 def _widened(t: onnx.TensorProto) -> onnx.TensorProto:
@@ -108,18 +102,12 @@ def _rename_uses(g: onnx.GraphProto, old: str, new: str) -> None:
     """Each node input ``old`` (subgraphs' captured ones too) reads ``new``."""
     for n in g.node:
         n.input[:] = [new if i == old else i for i in n.input]
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                        a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-                if not any(v.name == old for v in sub.input):  # a body's own input shadows it
-                    _rename_uses(sub, old, new)
-                    sub.output[:] = [_renamed(o, old, new) for o in sub.output]
-
-
-def _renamed(v: onnx.ValueInfoProto, old: str, new: str) -> onnx.ValueInfoProto:
-    if v.name == old:
-        v.name = new
-    return v
+        for sub in subgraphs(n):
+            if not any(v.name == old for v in sub.input):  # a body's own input shadows it
+                _rename_uses(sub, old, new)
+                for v in sub.output:  # a body that returns the outer value as it is
+                    if v.name == old:
+                        v.name = new
 
 
 def _elem(v: onnx.ValueInfoProto) -> int:
@@ -135,7 +123,5 @@ def _makes_half(n: onnx.NodeProto) -> bool:
 def _all_nodes(g: onnx.GraphProto):
     for n in g.node:
         yield n
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                        a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-                yield from _all_nodes(sub)
+        for sub in subgraphs(n):
+            yield from _all_nodes(sub)
