@@ -314,3 +314,59 @@ def test_300_fuzzed_files_get_an_answer_not_a_crash(tiny_cnn, tmp_path, env):
     assert s["cases"] == 300 and s["crashes"] == s["tracebacks"] == s["hangs"] == 0, s
     assert s["internal_errors"] == s["unclear"] == 0, [o.to_json() for o in outcomes
                                                         if o.verdict not in ("ok", "user_error")]
+
+
+# --- worker pools --------------------------------------------------------------------------
+
+def test_a_worker_stuck_with_the_gil_held_is_killed_not_waited_for():
+    """A call that never returns while holding the GIL (a kernel that corrupted the heap hangs
+    in malloc inside TVM's crash handler) starves TVM's own timeout, which is a thread in the
+    worker: the guarded pool's watchdog kills the worker, the call fails, and the next call gets
+    a new worker."""
+    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    from ttrank import workers
+
+    pool = workers.guard(PopenPoolExecutor(max_workers=1, timeout=1.0), grace_s=2.0)
+    try:
+        t0 = time.time()
+        # PyDLL keeps the GIL through the C call: pause() returns only on a signal
+        [stuck] = pool.map_with_error_catching(lambda _: __import__("ctypes").PyDLL(None).pause(), [None])
+        took = time.time() - t0
+        assert stuck.status == StatusKind.EXCEPTION and isinstance(stuck.value, ChildProcessError)
+        assert took < 1.0 + 2.0 + 3 * workers.WATCH_EVERY_S + 2.0
+        [fine] = pool.map_with_error_catching(lambda x: x + 1, [41])
+        assert fine.status == StatusKind.COMPLETE and fine.value == 42
+    finally:
+        pool.shutdown()
+
+
+def test_a_guarded_worker_that_crashes_dies_without_a_crash_handler():
+    """TVM installs a crash handler that prints a backtrace, which needs the heap a crash may
+    have corrupted: a guarded pool's workers leave fatal signals to the system, so such a
+    worker dies at once, and its call fails long before its timeout."""
+    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    from ttrank import workers
+
+    def segv_handler(_) -> int:  # in a worker (a local function goes by value): its SIGSEGV handler
+        import ctypes
+        import signal
+
+        old = ctypes.create_string_buffer(256)  # a struct sigaction: the handler is its first field
+        ctypes.CDLL(None).sigaction(signal.SIGSEGV, None, old)
+        return int.from_bytes(old.raw[:8], "little")  # 0: the system's default
+
+    plain, guarded = PopenPoolExecutor(max_workers=1), workers.guard(PopenPoolExecutor(max_workers=1, timeout=60.0))
+    try:
+        [tvms] = plain.map_with_error_catching(segv_handler, [None])
+        [ours] = guarded.map_with_error_catching(segv_handler, [None])
+        assert tvms.value != 0 and ours.value == 0
+        t0 = time.time()
+        [crashed] = guarded.map_with_error_catching(
+            lambda _: __import__("os").kill(__import__("os").getpid(), __import__("signal").SIGSEGV), [None])
+        assert crashed.status == StatusKind.EXCEPTION and isinstance(crashed.value, ChildProcessError)
+        assert time.time() - t0 < 30.0
+    finally:
+        plain.shutdown()
+        guarded.shutdown()

@@ -37,6 +37,7 @@ from .features import parse_trace
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, one_cpu, probe
 from .target import CpuShare, ForeignLoad, cross_compiler, host_cores, host_target_dict, host_triple, provenance
 from .util import file_lock
+from .workers import guard
 
 log = logging.getLogger("ttrank")
 
@@ -83,7 +84,7 @@ def _shared_pool(max_workers: int, timeout_sec: float) -> PopenPoolExecutor:
     with _SHARED_LOCK:
         key = (max_workers, timeout_sec)
         if key not in _SHARED_POOLS:
-            _SHARED_POOLS[key] = PopenPoolExecutor(max_workers=max_workers, timeout=timeout_sec)
+            _SHARED_POOLS[key] = guard(PopenPoolExecutor(max_workers=max_workers, timeout=timeout_sec))
         return _SHARED_POOLS[key]
 
 
@@ -94,6 +95,12 @@ def _shared_runner(key: tuple, make: Callable[[], Any]) -> Any:
         while len(_SHARED_RUNNERS) > SHARED_RUNNERS:
             _SHARED_RUNNERS.pop(next(iter(_SHARED_RUNNERS)))
         return runner
+
+
+def _guarded_runner(runner):
+    """A LocalRunner whose worker pool cannot hang its caller (:func:`ttrank.workers.guard`)."""
+    guard(runner.pool)
+    return runner
 
 
 @atexit.register
@@ -627,8 +634,9 @@ class RunnerSpec:
         if self.kind == "local":  # one per settings in this process (_shared_runner)
             return _shared_runner(
                 ("local", self.timeout_sec, self.number, self.repeat, self.min_repeat_ms, self.cache_flush),
-                lambda: LocalRunner(timeout_sec=self.timeout_sec, evaluator_config=self.evaluator_config(),
-                                    f_alloc_argument=alloc_in_bounds))
+                lambda: _guarded_runner(LocalRunner(timeout_sec=self.timeout_sec,
+                                                    evaluator_config=self.evaluator_config(),
+                                                    f_alloc_argument=alloc_in_bounds)))
         if self.kind == "rpc":
             return FleetRunner(self.tracker(), self.evaluator_config(),
                                session_timeout_s=self.timeout_sec, device_wait_s=self.device_wait_s)
