@@ -80,7 +80,8 @@ def one(net: str, layout: str = "nchw", phase: str = "", leave_one_out: bool = T
     # each phase's report is kept apart (bench/work/reports/host-<mcpu>-<phase>-<net>.json): why a
     # network got slower after the adaptation is in the kernels both phases chose
     with tempfile.TemporaryDirectory(prefix="ttrank-host-") as tmp:
-        report, wall, _, cmd = run_recommend(net, Path(tmp), extra=("--layout", layout),
+        # --no-refine: "shipped" and "adapted" are what the data gives, not recommend's own search
+        report, wall, _, cmd = run_recommend(net, Path(tmp), extra=("--layout", layout, "--no-refine"),
                                              report_name=f"host-{host_mcpu()}-{phase}-{net}",
                                              leave_one_out=leave_one_out)
     lat = report["model_latency_ms"]

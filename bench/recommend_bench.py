@@ -114,9 +114,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ttrank-bench-") as tmp:
         try:
             # exact math and MetaSchedule's layout on both sides: its run tuned libm's exp/erf
-            # kernels, and kernel sums compare only over the same kernels
+            # kernels, and kernel sums compare only over the same kernels. --no-refine: the
+            # paper's experiment is transfer, not transfer and then search
             report, wall, paused, cmd = run_recommend(net, Path(tmp), args.top_k, args.pause_background,
-                                                      extra=("--exact-math", "--layout", ms_layout(ms_dir)))
+                                                      extra=("--exact-math", "--layout", ms_layout(ms_dir),
+                                                             "--no-refine"))
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 1

@@ -629,3 +629,43 @@ def test_what_no_donor_covers_is_tuned_once_then_transferred(trained, donor_dir,
     assert softmax.candidates > 0 and softmax.measured and softmax.tuning is None
     assert softmax_trials() == n_trials
     assert again.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_the_native_budget_left_searches_the_heaviest_transferred_kernel_further(trained, donor_dir, tiny_cnn,
+                                                                                 tmp_path, monkeypatch):
+    """What the kernels no donor covers leave of --tune-missing's budget goes to native search
+    of the transferred kernels that hold the most of the model's time, starting from their
+    schedules and measured as recommend measures them (cold caches): a search's best replaces
+    the transferred schedule only when it is faster. Its records join the user's donors, so
+    the next run transfers them instead of searching again."""
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's donor store
+    model = frontend.load(tiny_cnn)
+    kw = dict(ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data", time_model=False,
+              tune_missing=35.0)  # one search: its least (coverage.plan_refine's min_seconds) is 30
+    res = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), database_dir=tmp_path / "db1", **kw)
+    assert not any(k.status == "tuned-missing" for k in res.kernels)  # nothing uncovered weighs enough
+    searched = [k for k in res.kernels if k.tuning is not None]
+    assert len(searched) == 1 and res.search_seconds["refining"] > 0  # 30 s buy one search
+    k = searched[0]
+    weight = {r.name: r.weight * (r.tuning["before_s"] if r.tuning else r.best_s) for r in res.kernels
+              if r.flops > 0 and r.status != "untuned"}
+    assert k.name == max(weight, key=weight.get) and k.tuning["before_s"] > 0
+    if k.status == "refined":
+        assert k.chosen["latency_s"] == k.tuning["after_s"] < k.tuning["before_s"]
+        assert k.chosen["donor_network"] == "metaschedule"
+    else:  # the transferred schedule stays, at its own measured latency
+        assert k.status == "tuned" and k.chosen["latency_s"] == k.tuning["before_s"]
+        assert "found nothing faster" in k.why
+    assert res.max_abs_error_vs_onnxruntime < 1e-3
+    # --no-refine: the budget is for uncovered kernels only
+    plain = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), database_dir=tmp_path / "db0",
+                             refine=False, **kw)
+    assert all(r.tuning is None for r in plain.kernels) and plain.search_seconds["refining"] == 0
+    # the next run transfers the searched kernel's records (its exact workload): no search again
+    tuned_dir = donors.user_donor_dir() / model.name
+    assert any(json.loads(line).get("task") == k.name for line in (tuned_dir / "trials.jsonl").open())
+    again = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir, tuned_dir]),
+                             database_dir=tmp_path / "db2", **kw)
+    k2 = next(r for r in again.kernels if r.name == k.name)
+    assert k2.tuning is None and k2.status == "tuned"
+    assert again.max_abs_error_vs_onnxruntime < 1e-3

@@ -514,6 +514,7 @@ def cmd_recommend(args) -> int:
             database_dir=args.database, runner=runner, data_dir=args.data_dir,
             exclude_networks=set(args.exclude_network or []), leave_one_out=args.leave_one_out,
             tune_missing=pipeline.TUNE_MISSING_SECONDS if args.tune_missing is None else args.tune_missing,
+            refine=not args.no_refine,
             minor_share=args.minor_share, adaptive=not args.fixed_k, time_untuned=args.time_untuned,
             measure_budget_s=args.measure_seconds if args.measure_seconds < float("inf") else None,
             on_progress=on_progress, on_note=con.print)
@@ -554,9 +555,16 @@ def _print_report(con, res) -> None:
         con.print(f"model latency: untuned {lat['untuned']:.1f} ms{src}, ttrank {lat['tuned']:.2f} ms "
                   f"({lat['untuned'] / lat['tuned']:.1f}x), onnxruntime {lat['onnxruntime']:.2f} ms "
                   f"({res.provenance.get('threads')} threads each)")
-    con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, "
+    native = "".join(f"{what} {s[key]:.1f} s, " for key, what in (("tuning_missing", "tuning what none covers"),
+                                                                   ("refining", "searching further"))
+                     if s.get(key))
+    con.print(f"search time: ranking {s['ranking']:.1f} s, measuring {s['measuring']:.1f} s, {native}"
               f"compiling {s['compiling']:.1f} s, timing against onnxruntime {s.get('timing', 0):.1f} s, "
               f"total {s['total']:.1f} s")
+    if refined := [k for k in res.kernels if k.status == "refined"]:
+        con.print(f"searched further natively: {len(refined)} kernels faster than their transferred "
+                  "schedules, " + ", ".join(f"{k.name} {1e3 * k.tuning['before_s']:.3f} -> "
+                                             f"{1e3 * k.tuning['after_s']:.3f} ms" for k in refined))
     if res.anytime:  # the whole curve is in the JSON report
         first, last = res.anytime[0], res.anytime[-1]
         con.print(f"estimated model latency: {first['estimated_ms']:.2f} ms before measuring, "
@@ -772,10 +780,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--leave-one-out", action="store_true",
                    help="ignore donors tuned on this same network (for evaluation)")
     r.add_argument("--tune-missing", type=float, default=None, metavar="S",
-                   help="seconds (all kernels together) for tuning with MetaSchedule the kernels that "
-                        "no transferred schedule covers: all of it when they hold half the model time "
-                        "or more, a proportional part below that, split by their shares; "
+                   help="seconds (all kernels together) of native search with MetaSchedule: first for the "
+                        "kernels that no transferred schedule covers (all of it when they hold half the model "
+                        "time or more, a proportional part below that), then, with what is left, for the "
+                        "transferred kernels that hold the most of the model's time, from their schedules; "
                         "0 turns it off (default: 120)")
+    r.add_argument("--no-refine", action="store_true",
+                   help="spend --tune-missing on uncovered kernels only, not on searching the heaviest "
+                        "transferred ones further")
     _add_rpc_args(r)
     r.add_argument("--data-dir", help="where measurements accumulate (default: ~/.cache/ttrank/data)")
     r.add_argument("--no-progress", action="store_true")

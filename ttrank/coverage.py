@@ -172,6 +172,33 @@ def plan_missing(kernels: list[Kernel], best_s: dict[str, float | None], covered
     return plans
 
 
+def plan_refine(kernels: list[Kernel], best_s: dict[str, float | None], skip: set[str],
+                budget_s: float, min_share: float = 0.04, max_trials: int = 128,
+                min_seconds: float = 30.0) -> list[TuningPlan]:
+    """Which transferred kernels to search further natively, and for how long: the heaviest
+    computing kernels (``flops`` > 0, not in ``skip``), each alone (a transferred schedule fits
+    its own shape; siblings of a class would split the trials), those holding ``min_share`` of
+    the estimated model time or more, the largest first, ``budget_s`` split by their shares
+    with at least ``min_seconds`` each (ViT-B/32's matmuls gained 3-17% in 35-50 s searches
+    from their transferred schedules; an Xception conv's 30 s search found nothing faster)."""
+    est = {k.name: k.weight * (best_s.get(k.name) or 0.0) for k in kernels}
+    total = sum(est.values())
+    if budget_s <= 0 or total <= 0:
+        return []
+    heavy = sorted((k for k in kernels if k.name not in skip and k.flops > 0
+                    and est[k.name] / total >= min_share), key=lambda k: -est[k.name])
+    share_left = sum(est[k.name] for k in heavy) / total
+    plans, spent = [], 0.0
+    for k in heavy:
+        share = est[k.name] / total
+        secs = min(max(min_seconds, budget_s * share / share_left), budget_s - spent)
+        if secs < min_seconds:
+            break
+        plans.append(TuningPlan(k, share, secs, max_trials))
+        spent += secs
+    return plans
+
+
 def report_summary(report: dict) -> dict:
     """Coverage numbers of a recommend run (its ``--json`` report): how much of the untuned
     model had no candidate, and how much of the result still runs at TVM's default schedule.
