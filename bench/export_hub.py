@@ -14,6 +14,12 @@ onnxruntime's transformer optimizer (com.microsoft ops):
 
     OMP_NUM_THREADS=1 /tmp/tv/bin/python bench/export_hub.py OUT_DIR clip_vit_b32 detr_resnet18 \
         sr_pixelshuffle distilbert_ortopt
+
+A fifth: CLIP after the optimizer (QuickGelu), DistilBERT after it at opt_level 99, and
+DistilBERT as onnxruntime saves its own optimized graph (FusedMatMul):
+
+    OMP_NUM_THREADS=1 /tmp/tv/bin/python bench/export_hub.py OUT_DIR clip_vit_b32_ortopt \
+        distilbert_ortopt99 distilbert_ortsaved
 """
 import os
 import sys
@@ -196,7 +202,18 @@ STATIC = {
 }
 # onnxruntime's transformer optimizer run on the legacy export of <base> (SkipLayerNormalization,
 # BiasGelu: com.microsoft ops), as Optimum's optimized exports have it. name -> (base, its arguments)
-ORT_OPTIMIZED = {"distilbert_ortopt": ("distilbert", {"model_type": "bert", "num_heads": 12, "hidden_size": 768})}
+ORT_OPTIMIZED = {
+    "distilbert_ortopt": ("distilbert", {"model_type": "bert", "num_heads": 12, "hidden_size": 768}),
+    # the fifth batch (session 50): the optimizer's other model types, and opt_level 99, which
+    # saves onnxruntime's own graph optimizations (FusedMatMul) in the file
+    "clip_vit_b32_ortopt": ("clip_vit_b32", {"model_type": "clip", "num_heads": 0, "hidden_size": 0}),
+    "distilbert_ortopt99": ("distilbert", {"model_type": "bert", "num_heads": 12, "hidden_size": 768,
+                                           "opt_level": 99}),
+}
+# the graph onnxruntime itself optimizes (ORT_ENABLE_EXTENDED: FusedMatMul, fused Gelu and
+# LayerNorm), saved with SessionOptions.optimized_model_filepath, as some published files are.
+# name -> base
+ORT_SAVED = {"distilbert_ortsaved": "distilbert"}
 
 
 def static_writer(name):
@@ -208,15 +225,31 @@ def static_writer(name):
     return write
 
 
+def ort_saved_writer(name):
+    def write(path):
+        import onnxruntime as ort
+
+        with tempfile.TemporaryDirectory() as tmp:
+            base_path = os.path.join(tmp, ORT_SAVED[name] + ".onnx")
+            cli = writer(ORT_SAVED[name], "legacy")(base_path)
+            opts = ort.SessionOptions()
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+            opts.optimized_model_filepath = path
+            ort.InferenceSession(base_path, opts, providers=["CPUExecutionProvider"])
+        return cli
+    return write
+
+
 def ort_optimized_writer(name):
     def write(path):
         from onnxruntime.transformers import optimizer
 
         base, kw = ORT_OPTIMIZED[name]
+        kw = {"opt_level": 1, **kw}
         with tempfile.TemporaryDirectory() as tmp:
             base_path = os.path.join(tmp, base + ".onnx")
-            cli = writer(base, "legacy")(base_path)
-            optimizer.optimize_model(base_path, opt_level=1, **kw).save_model_to_file(path)
+            cli = (static_writer(base) if base in STATIC else writer(base, "legacy"))(base_path)
+            optimizer.optimize_model(base_path, **kw).save_model_to_file(path)
         return cli
     return write
 
@@ -264,6 +297,9 @@ def main(names):
         if n in ORT_OPTIMIZED:  # after its base model
             jobs.append((n, ort_optimized_writer(n)))
             continue
+        if n in ORT_SAVED:
+            jobs.append((n, ort_saved_writer(n)))
+            continue
         if n not in DYNAMO_ONLY:
             jobs.append((n, writer(n, "legacy")))
         if n in DYNAMO + DYNAMO_ONLY:
@@ -274,4 +310,4 @@ def main(names):
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[2:] or [*MODELS, *STATIC, *ORT_OPTIMIZED])
+    main(sys.argv[2:] or [*MODELS, *STATIC, *ORT_OPTIMIZED, *ORT_SAVED])

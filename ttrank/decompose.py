@@ -2,7 +2,10 @@
 
 Recurrent layers (LSTM, GRU, RNN: OCR recognisers, speech and time-series models) are unrolled
 over their sequence, whose length is static once the inputs' shapes are bound; Celu and
-LpNormalization become their formulas. The rewrite uses only ops whose signature no opset
+LpNormalization become their formulas. So do the onnxruntime contrib ops that its transformer
+optimizer and its saved, graph-optimized models write and that TVM's importer lacks
+(:data:`CONTRIB`: FusedMatMul, QuickGelu, the RMS norms of LLaMA-style models, and
+MultiHeadAttention over separate query, key and value). The rewrite uses only ops whose signature no opset
 changed (MatMul, Reshape, Concat, Transpose, element-wise ops), and Split and Squeeze in the
 form of the model's own opset. onnxruntime still runs the original graph: it stays the reference each
 compiled model is checked against, so a wrong rewrite cannot pass unnoticed.
@@ -21,6 +24,11 @@ from .errors import DynamicShapeError, UnsupportedOpError
 # what this module rewrites, and the gates per recurrent op (in ONNX's weight order)
 RECURRENT_GATES = {"LSTM": "iofc", "GRU": "zrh", "RNN": "i"}
 REWRITTEN = (*RECURRENT_GATES, "Celu", "LpNormalization")
+# onnxruntime's contrib ops rewritten (its com.microsoft domain; SimplifiedLayerNormalization is
+# registered in the ONNX domain as well)
+CONTRIB = ("FusedMatMul", "QuickGelu", "SimplifiedLayerNormalization",
+           "SkipSimplifiedLayerNormalization", "MultiHeadAttention")
+MS_DOMAIN = "com.microsoft"
 # the default activations per recurrent op (f, g, h)
 _DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
 # activations with an alpha / a beta, and ONNX's defaults for them
@@ -31,21 +39,46 @@ _PLAIN = ("Sigmoid", "Tanh", "Relu", "Softsign", "Softplus")
 
 
 def rewrite_unsupported(model: onnx.ModelProto, path: str = "") -> tuple[onnx.ModelProto, list[str]]:
-    """``model`` with each node of :data:`REWRITTEN` in its main graph rewritten, and the op
-    types rewritten (none: ``model`` itself comes back). ``model``'s input shapes must be bound
-    (:func:`ttrank.frontend.bind_input_shapes`): unrolling needs the sequence length."""
+    """``model`` with each node of :data:`REWRITTEN` and :data:`CONTRIB` in its main graph
+    rewritten, and the op types rewritten (none: ``model`` itself comes back). ``model``'s
+    input shapes must be bound (:func:`ttrank.frontend.bind_input_shapes`): unrolling needs the
+    sequence length. ONNX's shape inference stops at a contrib op, so a node whose input shape
+    is unknown waits for a pass after the ones before it are rewritten."""
+    done: set[str] = set()
+    while True:
+        model, did, waiting = _rewrite_pass(model, path)
+        done |= did
+        if not waiting:
+            return model, sorted(done)
+        if not did:  # no pass can tell it more
+            raise waiting[0]
+
+
+class _ShapeUnknown(DynamicShapeError):
+    """A rewrite needs a shape that shape inference did not reach."""
+
+
+def _rewrite_pass(model: onnx.ModelProto, path: str
+                  ) -> tuple[onnx.ModelProto, set[str], list[_ShapeUnknown]]:
     nodes = list(model.graph.node)
-    if not any(n.op_type in REWRITTEN and n.domain in ("", "ai.onnx") for n in nodes):
-        return model, []
+    if not any(rewritable(n) for n in nodes):
+        return model, set(), []
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = _Graph(out, path)
     new_nodes: list[onnx.NodeProto] = []
     done: set[str] = set()
+    waiting: list[_ShapeUnknown] = []
     for n in nodes:
-        if n.op_type in REWRITTEN and n.domain in ("", "ai.onnx"):
-            g.nodes = new_nodes
-            _REWRITES[n.op_type](g, n)
+        if rewritable(n):
+            g.nodes = []
+            try:
+                _REWRITES[n.op_type](g, n)
+            except _ShapeUnknown as e:
+                waiting.append(e)
+                new_nodes.append(n)
+                continue
+            new_nodes.extend(g.nodes)
             done.add(n.op_type)
         else:
             new_nodes.append(n)
@@ -56,7 +89,14 @@ def rewrite_unsupported(model: onnx.ModelProto, path: str = "") -> tuple[onnx.Mo
     keep = [i for i in out.graph.initializer if i.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(keep)
-    return out, sorted(done)
+    return out, done, waiting
+
+
+def rewritable(node: onnx.NodeProto) -> bool:
+    """Whether :func:`rewrite_unsupported` rewrites ``node``."""
+    if node.domain in ("", "ai.onnx"):
+        return node.op_type in REWRITTEN or node.op_type == "SimplifiedLayerNormalization"
+    return node.domain == MS_DOMAIN and node.op_type in CONTRIB
 
 
 class _Graph:
@@ -69,7 +109,7 @@ class _Graph:
         self._n = 0
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
         taken = {i.name for i in model.graph.initializer} | {v.name for v in model.graph.input}
-        taken |= {o for n in model.graph.node for o in n.output}
+        taken |= {o for n in model.graph.node for o in n.output} | {n.name for n in model.graph.node}
         self._taken = taken
         self.consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
         for n in model.graph.node:
@@ -85,6 +125,8 @@ class _Graph:
             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
                 self.shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None
                                        for d in v.type.tensor_type.shape.dim]
+        for name, value in self.consts.items():  # weights: inference lists only values it computed
+            self.shapes.setdefault(name, list(value.shape))
 
     def fresh(self, hint: str) -> str:
         while True:
@@ -419,5 +461,130 @@ def _lp_normalization(g: _Graph, node: onnx.NodeProto) -> None:
         g.op("Identity", [y], "lpn", out=node.output[0])
 
 
+def _rank(g: _Graph, node: onnx.NodeProto, name: str, what: str) -> list[int | None]:
+    shape = g.shapes.get(name)
+    if not shape:
+        raise _ShapeUnknown(f"{g.path}: {node.op_type} {node.name!r}: the {what}'s shape is unknown")
+    return shape
+
+
+def _fused_matmul(g: _Graph, node: onnx.NodeProto) -> None:
+    """alpha * op(A) @ op(B), op transposing the last two axes when transA / transB is set."""
+    at = _attrs(node)
+    if at.get("transBatchA") or at.get("transBatchB"):
+        raise UnsupportedOpError(f"{g.path}: FusedMatMul {node.name!r}: transBatchA/transBatchB are not supported")
+    a, b = node.input[0], node.input[1]
+    for flag, name, what in (("transA", a, "first input"), ("transB", b, "second input")):
+        if at.get(flag):
+            r = len(_rank(g, node, name, what))
+            t = g.op("Transpose", [name], "fmm", perm=[*range(r - 2), r - 1, r - 2])
+            a, b = (t, b) if flag == "transA" else (a, t)
+    alpha = float(at.get("alpha", 1.0))
+    if alpha == 1.0:
+        g.op("MatMul", [a, b], "fmm", out=node.output[0])
+    else:
+        g.op("Mul", [g.op("MatMul", [a, b], "fmm"), g.const("alpha", np.float32(alpha))], "fmm", out=node.output[0])
+
+
+def _quick_gelu(g: _Graph, node: onnx.NodeProto) -> None:
+    """x * sigmoid(alpha * x) (CLIP's activation)."""
+    x, alpha = node.input[0], float(_attrs(node).get("alpha", 1.702))
+    gate = g.op("Sigmoid", [g.op("Mul", [x, g.const("alpha", np.float32(alpha))], "qgelu")], "qgelu")
+    g.op("Mul", [x, gate], "qgelu", out=node.output[0])
+
+
+def _rms(g: _Graph, node: onnx.NodeProto, x: str, axis: int, eps: float, scale: str) -> str:
+    """x / sqrt(mean(x^2 over the axes from ``axis`` on) + eps) * scale (``x`` of the rank of
+    ``node``'s first input)."""
+    r = len(_rank(g, node, node.input[0], "input"))
+    axes = list(range(axis % r, r))
+    sq = g.op("Mul", [x, x], "rms")
+    if g.opset >= 18:
+        mean = g.op("ReduceMean", [sq, g.const("axes", np.array(axes, np.int64))], "rms", keepdims=1)
+    else:
+        mean = g.op("ReduceMean", [sq], "rms", axes=axes, keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, g.const("eps", np.float32(eps))], "rms")], "rms")],
+               "rms")
+    return g.op("Mul", [g.op("Mul", [x, inv], "rms"), scale], "rms")
+
+
+def _only_first_output(g: _Graph, node: onnx.NodeProto, keep: tuple[int, ...] = (0,)) -> None:
+    used = {i for n in g.model.graph.node for i in n.input} | {o.name for o in g.model.graph.output}
+    extra = [o for i, o in enumerate(node.output) if o and i not in keep and o in used]
+    if extra:
+        raise UnsupportedOpError(f"{g.path}: {node.op_type} {node.name!r}: its output {extra[0]!r} "
+                                 "(statistics or caches) is used, which ttrank does not rewrite")
+
+
+def _simplified_layer_norm(g: _Graph, node: onnx.NodeProto) -> None:
+    """RMSNorm: x / sqrt(mean(x^2) + epsilon) * scale, over the axes from ``axis`` on."""
+    at = _attrs(node)
+    _only_first_output(g, node)
+    y = _rms(g, node, node.input[0], int(at.get("axis", -1)), float(at.get("epsilon", 1e-5)), node.input[1])
+    g.op("Identity", [y], "rms", out=node.output[0])
+
+
+def _skip_simplified_layer_norm(g: _Graph, node: onnx.NodeProto) -> None:
+    """s = input + skip (+ bias); output RMSNorm(s) * gamma, and s as the fourth output."""
+    at = _attrs(node)
+    _only_first_output(g, node, keep=(0, 3))
+    s = g.op("Add", [node.input[0], node.input[1]], "skiprms")
+    if len(node.input) > 3 and node.input[3]:
+        s = g.op("Add", [s, node.input[3]], "skiprms")
+    y = _rms(g, node, s, -1, float(at.get("epsilon", 1e-5)), node.input[2])
+    g.op("Identity", [y], "skiprms", out=node.output[0])
+    if len(node.output) > 3 and node.output[3]:
+        g.op("Identity", [s], "skiprms", out=node.output[3])
+
+
+def _multi_head_attention(g: _Graph, node: onnx.NodeProto) -> None:
+    """softmax(Q K^T * scale + attention_bias [+ causal mask]) V per head, over separate 3-D
+    query [B, S, D], key [B, L, D] and value [B, L, Dv], with an optional packed bias [D + D + Dv].
+    Packed QKV, key padding masks and past key/value caches are refused in one line."""
+    at = _attrs(node)
+    heads = int(at["num_heads"])
+    ins = [*node.input, *[""] * (8 - len(node.input))]
+    q, k, v, bias, key_mask, attn_bias = ins[:6]
+    if not k or not v or any(ins[6:]) or key_mask:
+        raise UnsupportedOpError(f"{g.path}: MultiHeadAttention {node.name!r}: only separate query, key and value "
+                                 "without a key padding mask or past key/value are supported")
+    _only_first_output(g, node)
+    shapes = [_rank(g, node, x, what) for x, what in ((q, "query"), (k, "key"), (v, "value"))]
+    if any(len(sh) != 3 for sh in shapes):
+        raise UnsupportedOpError(f"{g.path}: MultiHeadAttention {node.name!r}: only 3-D query, key and value "
+                                 "are supported (not packed ones)")
+    if any(None in sh for sh in shapes):
+        raise _ShapeUnknown(f"{g.path}: MultiHeadAttention {node.name!r}: needs the static shapes of query, key "
+                            "and value (bind the inputs with --input-shape)")
+    (b, s, d), (_, l, _), (_, _, dv) = shapes
+    if bias:
+        parts = g.gates(bias, 3, d, "mha") if dv == d else None
+        if parts is None:
+            raise UnsupportedOpError(f"{g.path}: MultiHeadAttention {node.name!r}: a bias with Dv != D")
+        q, k, v = (g.op("Add", [x, p], "mha") for x, p in zip((q, k, v), parts))
+    hd, hdv = d // heads, dv // heads
+    scale = float(at.get("scale", 0.0)) or 1.0 / float(np.sqrt(hd))
+
+    def heads_first(x: str, n: int, size: int) -> str:  # [B, n, H*size] -> [B, H, n, size]
+        r = g.op("Reshape", [x, g.const("shape", np.array([b, n, heads, size], np.int64))], "mha")
+        return g.op("Transpose", [r], "mha", perm=[0, 2, 1, 3])
+
+    qh, vh = heads_first(q, s, hd), heads_first(v, l, hdv)
+    kt = g.op("Transpose", [g.op("Reshape", [k, g.const("shape", np.array([b, l, heads, hd], np.int64))], "mha")],
+              "mha", perm=[0, 2, 3, 1])
+    scores = g.op("Mul", [g.op("MatMul", [qh, kt], "mha"), g.const("scale", np.float32(scale))], "mha")
+    if attn_bias:
+        scores = g.op("Add", [scores, attn_bias], "mha")
+    if int(at.get("unidirectional", 0)):
+        causal = np.triu(np.full((s, l), np.finfo(np.float32).min, np.float32), k=1 + l - s)
+        scores = g.op("Add", [scores, g.const("causal", causal)], "mha")
+    probs = g.op("Softmax", [scores], "mha", axis=-1)  # the last axis in every opset
+    ctx = g.op("Transpose", [g.op("MatMul", [probs, vh], "mha")], "mha", perm=[0, 2, 1, 3])
+    g.op("Reshape", [ctx, g.const("shape", np.array([b, s, dv], np.int64))], "mha", out=node.output[0])
+
+
 _REWRITES: dict[str, Callable[[_Graph, onnx.NodeProto], None]] = {
-    "LSTM": _recurrent, "GRU": _recurrent, "RNN": _recurrent, "Celu": _celu, "LpNormalization": _lp_normalization}
+    "LSTM": _recurrent, "GRU": _recurrent, "RNN": _recurrent, "Celu": _celu, "LpNormalization": _lp_normalization,
+    "FusedMatMul": _fused_matmul, "QuickGelu": _quick_gelu,
+    "SimplifiedLayerNormalization": _simplified_layer_norm,
+    "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm, "MultiHeadAttention": _multi_head_attention}
