@@ -82,3 +82,31 @@ def test_a_contrib_op_in_a_form_not_rewritten_is_one_clear_error():
     mha.input.extend(["", "", "past_key"])
     with pytest.raises(UnsupportedOpError, match="MultiHeadAttention .*past key/value"):
         rewrite_unsupported(model, "m.onnx")
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_contrib_ops_tvm_imports_are_rewritten_too_so_shape_inference_reaches_past_them(opset):
+    """TVM imports Gelu, BiasGelu, FastGelu and SkipLayerNormalization (the last only with a beta
+    and a bias, which CLIP's lacks), but ONNX's shape inference stops at them, and the graph
+    simplifier with it: what follows them keeps its run-time shape arithmetic."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.normal(size=D).astype("float32"), n) for n in ("gamma", "b1", "b2")]
+    nodes = [
+        helper.make_node("SkipLayerNormalization", ["x", "skip", "gamma"], ["h", "", "", "sum"], domain=MS,
+                         epsilon=1e-5),
+        helper.make_node("BiasGelu", ["h", "b1"], ["g1"], domain=MS),
+        helper.make_node("FastGelu", ["g1", "b2"], ["g2"], domain=MS),
+        helper.make_node("Gelu", ["g2"], ["g3"], domain=MS),
+        helper.make_node("Add", ["g3", "sum"], ["r"]),
+        # a reshape to a shape computed at run time: folded only when inference reaches it
+        helper.make_node("Shape", ["r"], ["r_shape"]),
+        helper.make_node("Reshape", ["r", "r_shape"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, S, D]) for n in ("x", "skip", "y")]
+    model = helper.make_model(helper.make_graph(nodes, "acts", io[:2], io[2:], inits),
+                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    rewritten, ops = rewrite_unsupported(model)
+    assert ops == ["BiasGelu", "FastGelu", "Gelu", "SkipLayerNormalization"]
+    inferred = onnx.shape_inference.infer_shapes(rewritten)
+    assert any(v.name == "r_shape" for v in inferred.graph.value_info)
+    np.testing.assert_allclose(_ort(rewritten, _feed()), _ort(model, _feed()), rtol=1e-4, atol=1e-5)

@@ -5,7 +5,11 @@ over their sequence, whose length is static once the inputs' shapes are bound; C
 LpNormalization become their formulas. So do the onnxruntime contrib ops that its transformer
 optimizer and its saved, graph-optimized models write and that TVM's importer lacks
 (:data:`CONTRIB`: FusedMatMul, QuickGelu, the RMS norms of LLaMA-style models, and
-MultiHeadAttention over separate query, key and value). The rewrite uses only ops whose signature no opset
+MultiHeadAttention over separate query, key and value). Those TVM imports itself (Gelu,
+BiasGelu, FastGelu, SkipLayerNormalization) are rewritten too: ONNX's shape inference, and so
+the graph simplifier that folds an export's shape arithmetic, stops at any contrib op (a
+DistilBERT as onnxruntime saves its optimized graph kept 21 run-time Shape ops that TVM could not
+import), and TVM's SkipLayerNormalization requires a beta and a bias (CLIP's has neither). The rewrite uses only ops whose signature no opset
 changed (MatMul, Reshape, Concat, Transpose, element-wise ops), and Split and Squeeze in the
 form of the model's own opset. onnxruntime still runs the original graph: it stays the reference each
 compiled model is checked against, so a wrong rewrite cannot pass unnoticed.
@@ -27,7 +31,8 @@ REWRITTEN = (*RECURRENT_GATES, "Celu", "LpNormalization")
 # onnxruntime's contrib ops rewritten (its com.microsoft domain; SimplifiedLayerNormalization is
 # registered in the ONNX domain as well)
 CONTRIB = ("FusedMatMul", "QuickGelu", "SimplifiedLayerNormalization",
-           "SkipSimplifiedLayerNormalization", "MultiHeadAttention")
+           "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "Gelu", "BiasGelu", "FastGelu",
+           "SkipLayerNormalization")
 MS_DOMAIN = "com.microsoft"
 # the default activations per recurrent op (f, g, h)
 _DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
@@ -493,16 +498,68 @@ def _quick_gelu(g: _Graph, node: onnx.NodeProto) -> None:
     g.op("Mul", [x, gate], "qgelu", out=node.output[0])
 
 
-def _rms(g: _Graph, node: onnx.NodeProto, x: str, axis: int, eps: float, scale: str) -> str:
-    """x / sqrt(mean(x^2 over the axes from ``axis`` on) + eps) * scale (``x`` of the rank of
-    ``node``'s first input)."""
-    r = len(_rank(g, node, node.input[0], "input"))
-    axes = list(range(axis % r, r))
-    sq = g.op("Mul", [x, x], "rms")
+def _gelu(g: _Graph, x: str, hint: str, out: str | None = None) -> str:
+    """0.5 x (1 + erf(x / sqrt(2)))."""
+    half = g.op("Mul", [x, g.const("half", np.float32(0.5))], hint)
+    e = g.op("Erf", [g.op("Mul", [x, g.const("rsqrt2", np.float32(1 / np.sqrt(2)))], hint)], hint)
+    return g.op("Mul", [half, g.op("Add", [e, g.const("one", np.float32(1))], hint)], hint, out=out)
+
+
+def _contrib_gelu(g: _Graph, node: onnx.NodeProto) -> None:
+    """Gelu(x), BiasGelu(x, bias) = Gelu(x + bias)."""
+    x = node.input[0]
+    if len(node.input) > 1 and node.input[1]:
+        x = g.op("Add", [x, node.input[1]], "gelu")
+    _gelu(g, x, "gelu", out=node.output[0])
+
+
+def _fast_gelu(g: _Graph, node: onnx.NodeProto) -> None:
+    """The tanh approximation, of x (+ bias): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    x = node.input[0]
+    if len(node.input) > 1 and node.input[1]:
+        x = g.op("Add", [x, node.input[1]], "fgelu")
+    cube = g.op("Mul", [g.op("Mul", [x, x], "fgelu"), x], "fgelu")
+    inner = g.op("Add", [x, g.op("Mul", [cube, g.const("c", np.float32(0.044715))], "fgelu")], "fgelu")
+    t = g.op("Tanh", [g.op("Mul", [inner, g.const("k", np.float32(np.sqrt(2 / np.pi)))], "fgelu")], "fgelu")
+    half = g.op("Mul", [x, g.const("half", np.float32(0.5))], "fgelu")
+    g.op("Mul", [half, g.op("Add", [t, g.const("one", np.float32(1))], "fgelu")], "fgelu", out=node.output[0])
+
+
+def _mean_last(g: _Graph, x: str, axes: list[int], hint: str) -> str:
     if g.opset >= 18:
-        mean = g.op("ReduceMean", [sq, g.const("axes", np.array(axes, np.int64))], "rms", keepdims=1)
+        return g.op("ReduceMean", [x, g.const("axes", np.array(axes, np.int64))], hint, keepdims=1)
+    return g.op("ReduceMean", [x], hint, axes=axes, keepdims=1)
+
+
+def _skip_layer_norm(g: _Graph, node: onnx.NodeProto) -> None:
+    """s = input + skip (+ bias); output LayerNorm(s) * gamma (+ beta), s as the fourth output."""
+    _only_first_output(g, node, keep=(0, 3))
+    ins = [*node.input, *[""] * (5 - len(node.input))]
+    eps = float(_attrs(node).get("epsilon", 1e-12))
+    s = g.op("Add", [ins[0], ins[1]], "skipln")
+    if ins[4]:
+        s = g.op("Add", [s, ins[4]], "skipln")
+    if g.opset >= 17:
+        y = g.op("LayerNormalization", [s, ins[2], *([ins[3]] if ins[3] else [])], "skipln", axis=-1, epsilon=eps)
     else:
-        mean = g.op("ReduceMean", [sq], "rms", axes=axes, keepdims=1)
+        centred = g.op("Sub", [s, _mean_last(g, s, [-1], "skipln")], "skipln")
+        var = _mean_last(g, g.op("Mul", [centred, centred], "skipln"), [-1], "skipln")
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, g.const("eps", np.float32(eps))], "skipln")],
+                                       "skipln")], "skipln")
+        y = g.op("Mul", [g.op("Mul", [centred, inv], "skipln"), ins[2]], "skipln")
+        if ins[3]:
+            y = g.op("Add", [y, ins[3]], "skipln")
+    g.op("Identity", [y], "skipln", out=node.output[0])
+    if len(node.output) > 3 and node.output[3]:
+        g.op("Identity", [s], "skipln", out=node.output[3])
+
+
+def _rms(g: _Graph, node: onnx.NodeProto, x: str, axis: int, eps: float, scale: str) -> str:
+    """x / sqrt(mean(x^2 over the axes from ``axis`` on) + eps) * scale (a non-negative ``axis``
+    of the rank of ``node``'s first input)."""
+    axes = (list(range(axis, 0)) if axis < 0
+            else list(range(axis, len(_rank(g, node, node.input[0], "input")))))
+    mean = _mean_last(g, g.op("Mul", [x, x], "rms"), axes, "rms")
     inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, g.const("eps", np.float32(eps))], "rms")], "rms")],
                "rms")
     return g.op("Mul", [g.op("Mul", [x, inv], "rms"), scale], "rms")
@@ -587,4 +644,5 @@ _REWRITES: dict[str, Callable[[_Graph, onnx.NodeProto], None]] = {
     "LSTM": _recurrent, "GRU": _recurrent, "RNN": _recurrent, "Celu": _celu, "LpNormalization": _lp_normalization,
     "FusedMatMul": _fused_matmul, "QuickGelu": _quick_gelu,
     "SimplifiedLayerNormalization": _simplified_layer_norm,
-    "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm, "MultiHeadAttention": _multi_head_attention}
+    "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm, "MultiHeadAttention": _multi_head_attention,
+    "Gelu": _contrib_gelu, "BiasGelu": _contrib_gelu, "FastGelu": _fast_gelu, "SkipLayerNormalization": _skip_layer_norm}
