@@ -314,6 +314,10 @@ def test_a_detector_compiles_up_to_its_data_dependent_post_processing(tmp_path, 
     assert "runs in onnxruntime" in capsys.readouterr().out
     tail = onnx.load(str(tmp_path / "det.tail.onnx"))
     assert {"NonMaxSuppression", "If"} <= {n.op_type for n in tail.graph.node}
+    # a model compiled whole into the same library takes the old tail file away with it
+    plain = zoo.export("tiny_cnn", tmp_path / "plain.onnx")
+    assert main(["compile", str(plain), "-o", str(tmp_path / "det.so")]) == 0
+    assert not (tmp_path / "det.tail.onnx").exists()
 
 
 def test_a_data_dependent_op_on_constants_cuts_nothing(tmp_path):

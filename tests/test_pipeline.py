@@ -651,11 +651,11 @@ def test_the_native_budget_left_searches_the_heaviest_transferred_kernel_further
               if r.flops > 0 and r.status != "untuned"}
     assert k.name == max(weight, key=weight.get) and k.tuning["before_s"] > 0
     if k.status == "refined":
-        assert k.chosen["latency_s"] == k.tuning["after_s"] < k.tuning["before_s"]
+        assert k.chosen["latency_s"] == k.tuning["after_s"] < k.tuning["before_s"] * (1 - pipeline.REFINE_MARGIN)
         assert k.chosen["donor_network"] == "metaschedule"
     else:  # the transferred schedule stays, at its own measured latency
         assert k.status == "tuned" and k.chosen["latency_s"] == k.tuning["before_s"]
-        assert "found nothing faster" in k.why
+        assert "found nothing 3% faster" in k.why
     assert res.max_abs_error_vs_onnxruntime < 1e-3
     # --no-refine: the budget is for uncovered kernels only
     plain = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), database_dir=tmp_path / "db0",

@@ -224,6 +224,7 @@ def cmd_compile(args) -> int:
                 _print_profile(con, args, model, compiled, target)
         tail = runtime.stage_tail(model, args.output)
         os.replace(staged, args.output)
+        runtime.drop_stale_tail(model, args.output)
         if tail is not None:
             os.replace(tail, runtime.tail_path(args.output))
             con.print(f"the graph from its first {'/'.join(model.tail.ops)} on ({model.tail.nodes} nodes) runs "

@@ -222,7 +222,7 @@ def report_summary(report: dict) -> dict:
         "kernels": len(ks),
         "kernels_without_candidate": sum(1 for k in ks if not k["candidates"]),
         "untuned_share_without_candidate": sum(t(k) for k in ks if not k["candidates"]) / untuned_total,
-        "kernels_tuned_by_recommend": [k["name"] for k in ks if k["status"] == "tuned-missing"],
+        "kernels_tuned_by_recommend": [k["name"] for k in ks if k["status"] in ("tuned-missing", "refined")],
         "tuning_seconds": sum((k.get("tuning") or {}).get("seconds", 0.0) for k in ks),
         "final_share_untuned_total": sum(final(k) for k in left) / final_total,
         "final_share_untuned_max": max((final(k) / final_total for k in left), default=0.0),

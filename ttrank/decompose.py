@@ -24,6 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import DynamicShapeError, UnsupportedOpError
+from .partition import reads
 
 # what this module rewrites, and the gates per recurrent op (in ONNX's weight order)
 RECURRENT_GATES = {"LSTM": "iofc", "GRU": "zrh", "RNN": "i"}
@@ -34,6 +35,8 @@ CONTRIB = ("FusedMatMul", "QuickGelu", "SimplifiedLayerNormalization",
            "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "Gelu", "BiasGelu", "FastGelu",
            "SkipLayerNormalization")
 MS_DOMAIN = "com.microsoft"
+# of those, the ones TVM's importer has a converter for
+TVM_IMPORTS = ("Gelu", "BiasGelu", "FastGelu", "SkipLayerNormalization")
 # the default activations per recurrent op (f, g, h)
 _DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
 # activations with an alpha / a beta, and ONNX's defaults for them
@@ -83,14 +86,21 @@ def _rewrite_pass(model: onnx.ModelProto, path: str
                 waiting.append(e)
                 new_nodes.append(n)
                 continue
+            except UnsupportedOpError:
+                if n.op_type not in TVM_IMPORTS:
+                    raise
+                new_nodes.append(n)  # a form not rewritten: TVM's importer may take it
+                continue
             new_nodes.extend(g.nodes)
             done.add(n.op_type)
         else:
             new_nodes.append(n)
     del out.graph.node[:]
     out.graph.node.extend(new_nodes)
-    # the rewritten nodes' weights now live transposed and split in new constants
-    used = {i for n in new_nodes for i in n.input} | {o.name for o in out.graph.output}
+    # the rewritten nodes' weights now live transposed and split in new constants; what a
+    # subgraph (an If's branch) reads, or the graph lists as an input, stays
+    used = ({i for n in new_nodes for i in reads(n)} | {o.name for o in out.graph.output}
+            | {v.name for v in out.graph.input})
     keep = [i for i in out.graph.initializer if i.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(keep)
@@ -468,7 +478,7 @@ def _lp_normalization(g: _Graph, node: onnx.NodeProto) -> None:
 
 def _rank(g: _Graph, node: onnx.NodeProto, name: str, what: str) -> list[int | None]:
     shape = g.shapes.get(name)
-    if not shape:
+    if shape is None:
         raise _ShapeUnknown(f"{g.path}: {node.op_type} {node.name!r}: the {what}'s shape is unknown")
     return shape
 
@@ -480,8 +490,7 @@ def _fused_matmul(g: _Graph, node: onnx.NodeProto) -> None:
         raise UnsupportedOpError(f"{g.path}: FusedMatMul {node.name!r}: transBatchA/transBatchB are not supported")
     a, b = node.input[0], node.input[1]
     for flag, name, what in (("transA", a, "first input"), ("transB", b, "second input")):
-        if at.get(flag):
-            r = len(_rank(g, node, name, what))
+        if at.get(flag) and (r := len(_rank(g, node, name, what))) >= 2:  # a vector has nothing to swap
             t = g.op("Transpose", [name], "fmm", perm=[*range(r - 2), r - 1, r - 2])
             a, b = (t, b) if flag == "transA" else (a, t)
     alpha = float(at.get("alpha", 1.0))
@@ -525,7 +534,10 @@ def _fast_gelu(g: _Graph, node: onnx.NodeProto) -> None:
     g.op("Mul", [half, g.op("Add", [t, g.const("one", np.float32(1))], "fgelu")], "fgelu", out=node.output[0])
 
 
-def _mean_last(g: _Graph, x: str, axes: list[int], hint: str) -> str:
+def _mean_last(g: _Graph, x: str, axes: list[int], hint: str, node: onnx.NodeProto | None = None) -> str:
+    if g.opset < 11 and node is not None and min(axes) < 0:  # negative axes came with opset 11
+        r = len(_rank(g, node, node.input[0], "input"))
+        axes = [a % r for a in axes]
     if g.opset >= 18:
         return g.op("ReduceMean", [x, g.const("axes", np.array(axes, np.int64))], hint, keepdims=1)
     return g.op("ReduceMean", [x], hint, axes=axes, keepdims=1)
@@ -542,8 +554,8 @@ def _skip_layer_norm(g: _Graph, node: onnx.NodeProto) -> None:
     if g.opset >= 17:
         y = g.op("LayerNormalization", [s, ins[2], *([ins[3]] if ins[3] else [])], "skipln", axis=-1, epsilon=eps)
     else:
-        centred = g.op("Sub", [s, _mean_last(g, s, [-1], "skipln")], "skipln")
-        var = _mean_last(g, g.op("Mul", [centred, centred], "skipln"), [-1], "skipln")
+        centred = g.op("Sub", [s, _mean_last(g, s, [-1], "skipln", node)], "skipln")
+        var = _mean_last(g, g.op("Mul", [centred, centred], "skipln"), [-1], "skipln", node)
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, g.const("eps", np.float32(eps))], "skipln")],
                                        "skipln")], "skipln")
         y = g.op("Mul", [g.op("Mul", [centred, inv], "skipln"), ins[2]], "skipln")
@@ -559,7 +571,7 @@ def _rms(g: _Graph, node: onnx.NodeProto, x: str, axis: int, eps: float, scale: 
     of the rank of ``node``'s first input)."""
     axes = (list(range(axis, 0)) if axis < 0
             else list(range(axis, len(_rank(g, node, node.input[0], "input")))))
-    mean = _mean_last(g, g.op("Mul", [x, x], "rms"), axes, "rms")
+    mean = _mean_last(g, g.op("Mul", [x, x], "rms"), axes, "rms", node)
     inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, g.const("eps", np.float32(eps))], "rms")], "rms")],
                "rms")
     return g.op("Mul", [g.op("Mul", [x, inv], "rms"), scale], "rms")
@@ -588,7 +600,7 @@ def _skip_simplified_layer_norm(g: _Graph, node: onnx.NodeProto) -> None:
     s = g.op("Add", [node.input[0], node.input[1]], "skiprms")
     if len(node.input) > 3 and node.input[3]:
         s = g.op("Add", [s, node.input[3]], "skiprms")
-    y = _rms(g, node, s, -1, float(at.get("epsilon", 1e-5)), node.input[2])
+    y = _rms(g, node, s, -1, float(at.get("epsilon", 1e-12)), node.input[2])  # onnxruntime's default
     g.op("Identity", [y], "skiprms", out=node.output[0])
     if len(node.output) > 3 and node.output[3]:
         g.op("Identity", [s], "skiprms", out=node.output[3])

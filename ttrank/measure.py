@@ -37,7 +37,7 @@ from .features import parse_trace
 from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, one_cpu, probe
 from .target import CpuShare, ForeignLoad, cross_compiler, host_cores, host_target_dict, host_triple, provenance
 from .util import file_lock
-from .workers import guard
+from .workers import die_on_crash, guard
 
 log = logging.getLogger("ttrank")
 
@@ -636,7 +636,8 @@ class RunnerSpec:
                 ("local", self.timeout_sec, self.number, self.repeat, self.min_repeat_ms, self.cache_flush),
                 lambda: _guarded_runner(LocalRunner(timeout_sec=self.timeout_sec,
                                                     evaluator_config=self.evaluator_config(),
-                                                    f_alloc_argument=alloc_in_bounds)))
+                                                    f_alloc_argument=alloc_in_bounds,
+                                                    initializer=die_on_crash)))
         if self.kind == "rpc":
             return FleetRunner(self.tracker(), self.evaluator_config(),
                                session_timeout_s=self.timeout_sec, device_wait_s=self.device_wait_s)

@@ -54,14 +54,14 @@ def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[on
     # with NonZero on a ConstantOfShape)
     data = {v.name for v in g.input} - {t.name for t in g.initializer}
     for n in nodes:
-        if n.op_type not in ("Shape", "Size") and any(i in data for i in _reads(n)):
+        if n.op_type not in ("Shape", "Size") and any(i in data for i in reads(n)):
             data.update(n.output)
     late: set[str] = set()  # values the tail makes
     in_tail, why = [False] * len(nodes), set()
     for j, n in enumerate(nodes):
         stop = n.domain in ("", "ai.onnx") and (n.op_type in stop_ops or (
-            n.op_type in DATA_DEPENDENT and any(i in data for i in _reads(n))))
-        if stop or any(i in late for i in _reads(n)):
+            n.op_type in DATA_DEPENDENT and any(i in data for i in reads(n))))
+        if stop or any(i in late for i in reads(n)):
             in_tail[j] = True
             late.update(o for o in n.output if o)
             if stop:
@@ -73,7 +73,7 @@ def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[on
     # scores, or a threshold, flips between any two engines)
     readers: dict[str, list[int]] = {}
     for j, n in enumerate(nodes):
-        for i in set(_reads(n)):
+        for i in set(reads(n)):
             readers.setdefault(i, []).append(j)
     outputs = {v.name for v in g.output}
     for j in reversed(range(len(nodes))):
@@ -87,7 +87,7 @@ def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[on
         return None
     made = {o for n in head for o in n.output if o}
     inputs = [v for v in g.input if v.name not in {t.name for t in g.initializer}]
-    tail_reads = {i for n in tail for i in _reads(n)}
+    tail_reads = {i for n in tail for i in reads(n)}
     cut = sorted(v for v in tail_reads if v in made)
     handed = _unique([*cut, *(v.name for v in g.output if v.name in made)])  # the compiled part's outputs
     if not handed:  # the heavy ops feed nothing that is kept
@@ -104,9 +104,9 @@ def split_tail(model: onnx.ModelProto, stop_ops: Iterable[str] = ()) -> tuple[on
 
 def _with(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs, outputs) -> onnx.ModelProto:
     """A model of ``model``'s opsets holding ``nodes`` and the initializers they read."""
-    reads = {i for n in nodes for i in _reads(n)}
+    read = {i for n in nodes for i in reads(n)}
     graph = helper.make_graph(nodes, model.graph.name, list(inputs), list(outputs),
-                              [t for t in model.graph.initializer if t.name in reads])
+                              [t for t in model.graph.initializer if t.name in read])
     out = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     return out
 
@@ -127,7 +127,7 @@ def subgraphs(n: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from a.graphs
 
 
-def _reads(n: onnx.NodeProto) -> Iterator[str]:
+def reads(n: onnx.NodeProto) -> Iterator[str]:
     """The values a node reads: its inputs, and those its subgraphs take from outside them."""
     yield from (i for i in n.input if i)
     for sub in subgraphs(n):
@@ -137,7 +137,7 @@ def _reads(n: onnx.NodeProto) -> Iterator[str]:
 def _captured(g: onnx.GraphProto) -> Iterator[str]:
     own = {v.name for v in g.input} | {t.name for t in g.initializer}
     for n in g.node:
-        for i in _reads(n):
+        for i in reads(n):
             if i not in own:
                 yield i
         own.update(n.output)

@@ -33,7 +33,7 @@ from .ranker import Ranker, data_cpus
 from .ranking import (Candidate, FixedK, Pick, SecondStage, native_candidate, policy_of, rank_kernel, same_anchor,
                       shortlist)
 from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, compile_model, export_staged,
-                      stage_tail, tail_path, write_database)
+                      drop_stale_tail, stage_tail, tail_path, write_database)
 from .space import SMALL_SPACE_DRAWS, SPACE_NETWORK, draw_seconds, small_space, space_candidates
 from .templates import template_candidates
 from .target import (ForeignLoad, cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance,
@@ -43,7 +43,7 @@ from .transfer import Transferred, postprocessors, transfer
 from .tune import TUNING_PROTOCOL, Seed, fit_search, tune
 from .util import (STOP_REQUESTED, append_jsonl, cache_dir, commit_moves, file_lock, finish_moves, read_jsonl,
                    stop_at_safe_points)
-from .workdir import write_loaded_as
+from .workdir import WORKLOAD_FILE, open_database, write_loaded_as
 
 # candidates per measuring batch: a batch's builds end with its slowest one, while the other
 # workers idle, so a batch needs many builds per worker (R18's 70 candidates, simulated from
@@ -60,6 +60,11 @@ TRIAL_TIMEOUT_FLOOR_S = 3.0
 # recommend's default budget for native search (seconds, all kernels): first for what no
 # transferred schedule covers, then, with what that left, for the heaviest transferred kernels
 TUNE_MISSING_SECONDS = 120.0
+# what the search past a transferred schedule must gain to replace it: its best is one minimum
+# among many close mutants of that schedule, the transferred one's is of a few rounds
+REFINE_MARGIN = 0.03
+# the least a search past a transferred schedule is started with (coverage.plan_refine's too)
+REFINE_MIN_S = 30.0
 # its searches measure batches of this many trials, checking the budget after each; the first
 # batch's generation (which nothing interrupts) may take this share of a search's budget: the
 # rest builds and measures it. YOLOv5's fused box decoding, at MetaSchedule's full population,
@@ -839,13 +844,21 @@ def _refine(model: LoadedModel, kernels: list[Kernel], store: DonorStore, exclud
     shape, and a few dozen trials from it on this CPU often find a faster one (ViT-B/32's MLP
     down-projection, 2.1 ms transferred, 1.4 ms after 128 trials). Measured as recommend
     measures (``runner``'s protocol, cold caches), so the search's best replaces the transferred
-    schedule only when it is faster on the same terms. Returns the search's database, or None."""
-    skip = ({n for n, r in reports.items() if r.status != "tuned"}
+    schedule only when it is :data:`REFINE_MARGIN` faster on the same terms. Not searched: a
+    kernel searched already (in this run, or one whose records the tuned-here folder holds, which
+    a warm-cache search may have written) and one whose transfer cannot seed a search. A search
+    that fails leaves the transferred schedule. Returns the search's database, or None."""
+    work = tuned_here_dir(model.name, model.layout)
+    db = open_database(work) if (work / WORKLOAD_FILE).exists() else None
+    held = {k.name for k in kernels if db is not None and db.has_workload(k.mod)}
+    skip = ({n for n, r in reports.items() if r.status != "tuned" or r.tuning is not None}
+            | {n for n, t in chosen.items() if not t.seedable} | held
             | _tuned_before(kernels, store, exclude_networks))
     plans = plan_refine(kernels, {n: r.best_s for n, r in reports.items()}, skip, budget_s=budget_s)
     return _search(model, plans, chosen, reports, target, progress, "refining", "refined",
                    lambda slowest: dataclasses.replace(runner, timeout_sec=(
-                       runner.timeout_sec if runner.kind == "rpc" else trial_timeout_s(slowest))))
+                       runner.timeout_sec if runner.kind == "rpc" else trial_timeout_s(slowest))),
+                   deadline=time.time() + budget_s, margin=REFINE_MARGIN)
 
 
 def _tuned_before(kernels: list[Kernel], store: DonorStore, exclude_networks: set) -> set[str]:
@@ -856,14 +869,23 @@ def _tuned_before(kernels: list[Kernel], store: DonorStore, exclude_networks: se
 
 def _search(model: LoadedModel, plans: list[TuningPlan], chosen: dict[str, Transferred],
             reports: dict[str, KernelReport], target, progress: Progress, phase: str, status: str,
-            runner_for: Callable[[float | None], RunnerSpec]):
+            runner_for: Callable[[float | None], RunnerSpec], deadline: float | None = None,
+            margin: float = 0.0):
     """Run ``plans``' searches into the user's tuned-here donors, each seeded with what its
-    kernels have; a kernel whose search beat it gets ``status``. ``runner_for``: the runner, given
-    the slowest kernel's best latency (a trial's timeout). Returns that database, or None."""
+    kernels have; a kernel whose search beat it by ``margin`` gets ``status``. ``runner_for``:
+    the runner, given the slowest kernel's best latency (a trial's timeout). ``deadline`` (a
+    time.time()): an optional phase, whose budget covers each search's set-up too; no search
+    starts that could not have its least, and one that fails is noted, not raised. Returns
+    that database, or None."""
     extra_db = None
     work = tuned_here_dir(model.name, model.layout)
     for i, plan in enumerate(plans):
         k, t_k = plan.kernel, time.time()
+        if deadline is not None:
+            left = deadline - t_k
+            if left < min(plan.seconds, REFINE_MIN_S):
+                break
+            plan = dataclasses.replace(plan, seconds=min(plan.seconds, left))
         progress(phase, i + 1, len(plans), k.name)
         # MetaSchedule generates a batch without a chance to stop: a kernel whose candidates are
         # slow to generate gets a search that fits the budget, or none
@@ -887,22 +909,29 @@ def _search(model: LoadedModel, plans: list[TuningPlan], chosen: dict[str, Trans
         # small batches, so that the budget is checked often. MetaSchedule appends to the
         # database itself: a second recommend of this model waits here (the lock `ttrank
         # tune` holds), then finds the trials done
-        with file_lock(work / "tune"):
-            run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
-                       budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
-                       only=[kk.name for kk in plan.kernels], trials_per_iter=MISSING_BATCH, seeds=seeds or None,
-                       search_size=size, runner=runner_for(slowest))
+        try:
+            with file_lock(work / "tune"):
+                run = tune(model.mod, work, trials_per_task=plan.trials, injective_trials=plan.trials,
+                           budget_minutes=plan.seconds / 60, target=target, model_name=model.name,
+                           only=[kk.name for kk in plan.kernels], trials_per_iter=MISSING_BATCH,
+                           seeds=seeds or None, search_size=size, runner=runner_for(slowest))
+        except Exception as e:  # noqa: BLE001 - an optional search keeps what transfer gave
+            if deadline is None:
+                raise
+            for kk in plan.kernels:
+                reports[kk.name].why = _also(reports[kk.name].why, f"its further search failed: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
+            continue
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         wall = time.time() - t_k
         for kk in plan.kernels:
-            _take_tuned(kk, reports[kk.name], extra_db, chosen, plan, run, wall, work, status)
+            _take_tuned(kk, reports[kk.name], extra_db, chosen, plan, run, wall, work, status, margin)
     return extra_db
 
 
 def _take_tuned(k: Kernel, rep: KernelReport, db, chosen: dict[str, Transferred], plan: TuningPlan,
-                run, wall: float, work: Path, status: str = "tuned-missing") -> None:
+                run, wall: float, work: Path, status: str = "tuned-missing", margin: float = 0.0) -> None:
     """``k``'s report after the search of ``plan`` (which tuned ``k`` alone or with its
-    siblings): its best record chosen when it beats what ``k`` had."""
+    siblings): its best record chosen when it beats what ``k`` had by ``margin``."""
     recs = db.get_top_k(db.commit_workload(k.mod), 1)
     best = min(float(x) for x in recs[0].run_secs) if recs else None
     rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
@@ -915,8 +944,9 @@ def _take_tuned(k: Kernel, rep: KernelReport, db, chosen: dict[str, Transferred]
         rep.why = _also(rep.why, f"the search of its class ({len(plan.kernels)} kernels, "
                                  f"{rep.tuning['seconds']:.0f} s) measured none for it")
         return
-    if best is None or (rep.best_s is not None and best >= rep.best_s):
-        rep.why = _also(rep.why, f"MetaSchedule found nothing faster in {rep.tuning['seconds']:.0f} s")
+    if best is None or (rep.best_s is not None and best >= rep.best_s * (1 - margin)):
+        rep.why = _also(rep.why, f"MetaSchedule found nothing {f'{100 * margin:.0f}% ' if margin else ''}faster "
+                                 f"in {rep.tuning['seconds']:.0f} s")
         return
     rep.status = status
     rep.why = (f"tuned with MetaSchedule ({rep.tuning['seconds']:.0f} s): {rep.why or 'no transferred schedule'}"
@@ -993,6 +1023,8 @@ def _build(model: LoadedModel, target, db_dir: Path, output, kernels: list[Kerne
             Path(src).unlink(missing_ok=True)
         raise
     commit_moves(moves, _commit_plan(db_dir))
+    if output:
+        drop_stale_tail(model, output)
     return compiled, max_err
 
 

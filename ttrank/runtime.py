@@ -177,6 +177,13 @@ def stage_tail(model: LoadedModel, library: str | Path) -> Path | None:
     return Path(tmp)
 
 
+def drop_stale_tail(model: LoadedModel, library: str | Path) -> None:
+    """After ``library`` was replaced by ``model`` compiled whole: the tail file an earlier
+    library of that name had goes with it (nothing would run it, and it reads as this one's)."""
+    if model.tail is None:
+        tail_path(library).unlink(missing_ok=True)
+
+
 class CompiledModel:
     """A compiled model loaded in a Relax VM."""
 

@@ -15,7 +15,7 @@ thread here kills a worker whose call overran the pool's timeout by ``grace_s``.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 import threading
 import time
@@ -23,9 +23,10 @@ import weakref
 
 from tvm.support.popen_pool import PopenPoolExecutor
 
-# what a worker past its timeout gets before it is killed: its own timer answers within
-# milliseconds when it can run at all
-GRACE_S = 10.0
+# what a worker past its timeout gets before it is killed: the deadline also covers starting a
+# new worker (TVM's import, 4-7 s on a 2-core Zen 1, more on a loaded machine), which the
+# worker's own timer does not count
+GRACE_S = 30.0
 WATCH_EVERY_S = 1.0
 FATAL_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
 
@@ -43,24 +44,27 @@ def die_on_crash() -> None:
 
 def guard(pool: PopenPoolExecutor, grace_s: float = GRACE_S) -> PopenPoolExecutor:
     """Make ``pool`` (a new one, or one a MetaSchedule runner made) safe to wait on; returns it.
-    Workers it starts from now on die on a crash (unless it has an initializer of its own),
-    and a call that runs ``grace_s`` past the pool's timeout has its worker killed: the call
-    then fails with ``ChildProcessError``, and the pool starts a new worker for the next."""
+    Workers it starts from now on die on a crash (unless it has an initializer of its own; a
+    LocalRunner's is given :func:`die_on_crash` when it is made), and a call that runs past
+    twice the pool's timeout plus ``grace_s`` has its worker killed: the call then fails with
+    ``ChildProcessError``, and the pool starts a new worker for the next."""
     global _watchdog
     if getattr(pool, "_ttrank_started", None) is not None:
         return pool
     if pool._initializer is None:
         pool._initializer = die_on_crash
-    started: dict[int, float] = {}  # the pool's thread -> when its worker's current call began
-    run = pool._worker_run
+    started: dict[int, list[float]] = {}  # the pool's thread -> [when its worker's current call began]
+    own = weakref.ref(pool)  # the pool holds this function: a strong reference would be a cycle
+    run = type(pool)._worker_run
 
     def timed_run(fn, args, kwargs):
-        tid = threading.get_ident()
-        started[tid] = time.monotonic()
+        tid, call = threading.get_ident(), [time.monotonic()]
+        started[tid] = call
         try:
-            return run(fn, args, kwargs)
+            return run(own(), fn, args, kwargs)
         finally:
-            started.pop(tid, None)
+            if started.get(tid) is call:
+                del started[tid]
 
     pool._worker_run = timed_run
     pool._ttrank_started = started
@@ -79,17 +83,25 @@ def _watch() -> None:
         with _lock:
             pools = list(_guarded)
         for pool in pools:
-            if pool._timeout is None:
-                continue
-            now = time.monotonic()
-            for tid, t0 in list(pool._ttrank_started.items()):
-                if now - t0 <= pool._timeout + pool._ttrank_grace_s:
-                    continue
-                proc = getattr(pool._worker_map.get(tid), "_proc", None)
-                if proc is not None:
-                    # the waiting thread's read then ends, and the pool cleans up as for a crash
-                    try:
-                        os.kill(proc.pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                pool._ttrank_started.pop(tid, None)
+            try:
+                _kill_overdue(pool)
+            except Exception:  # noqa: BLE001 - the watchdog outlives any one pool's surprise
+                pass
+        del pools  # a pool dropped meanwhile is not kept alive by the sleeping watchdog
+
+
+def _kill_overdue(pool: PopenPoolExecutor) -> None:
+    if pool._timeout is None:
+        return
+    limit = 2 * pool._timeout + pool._ttrank_grace_s
+    for tid, call in list(pool._ttrank_started.items()):
+        if time.monotonic() - call[0] <= limit:
+            continue
+        proc = getattr(pool._worker_map.get(tid), "_proc", None)
+        # the same call still running (not a next one of that thread that began meanwhile)
+        if proc is not None and pool._ttrank_started.get(tid) is call:
+            # the waiting thread's read then ends, and the pool cleans up as for a crash
+            with contextlib.suppress(OSError):
+                proc.send_signal(signal.SIGKILL)
+        if pool._ttrank_started.get(tid) is call:
+            del pool._ttrank_started[tid]
