@@ -63,7 +63,7 @@ TUNE_MISSING_SECONDS = 120.0
 # what the search past a transferred schedule must gain to replace it: its best is one minimum
 # among many close mutants of that schedule, the transferred one's is of a few rounds
 REFINE_MARGIN = 0.03
-# the least a search past a transferred schedule is started with (coverage.plan_refine's too)
+# the least a search past a transferred schedule is started with
 REFINE_MIN_S = 30.0
 # its searches measure batches of this many trials, checking the budget after each; the first
 # batch's generation (which nothing interrupts) may take this share of a search's budget: the
@@ -289,9 +289,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                                  target, progress, runner)
         t_tune = time.time() - t0
         if extra_db is not None:  # what tuning the missing kernels bought, on the same curve
-            anytime.append({"seconds": round(time.time() - t_start, 2), "phase": "tuned missing",
-                            "measured": anytime[-1]["measured"],
-                            "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)})
+            anytime.append(_after_search("tuned missing", t_start, anytime, reports))
         t0 = time.time()
         # what the kernels no donor covers left of the native budget: the heaviest transferred
         # ones, searched further from their schedules
@@ -300,9 +298,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
         t_refine = time.time() - t0
         if refined_db is not None:
             extra_db = refined_db  # the same tuned-here folder: it holds both searches' records
-            anytime.append({"seconds": round(time.time() - t_start, 2), "phase": "refined",
-                            "measured": anytime[-1]["measured"],
-                            "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)})
+            anytime.append(_after_search("refined", t_start, anytime, reports))
 
         # 6-8: the database, compile, export, check; the outputs replace the old ones as one step
         t0 = time.time()
@@ -854,11 +850,18 @@ def _refine(model: LoadedModel, kernels: list[Kernel], store: DonorStore, exclud
     skip = ({n for n, r in reports.items() if r.status != "tuned" or r.tuning is not None}
             | {n for n, t in chosen.items() if not t.seedable} | held
             | _tuned_before(kernels, store, exclude_networks))
-    plans = plan_refine(kernels, {n: r.best_s for n, r in reports.items()}, skip, budget_s=budget_s)
+    plans = plan_refine(kernels, {n: r.best_s for n, r in reports.items()}, skip, budget_s=budget_s,
+                        min_seconds=REFINE_MIN_S)
     return _search(model, plans, chosen, reports, target, progress, "refining", "refined",
                    lambda slowest: dataclasses.replace(runner, timeout_sec=(
                        runner.timeout_sec if runner.kind == "rpc" else trial_timeout_s(slowest))),
                    deadline=time.time() + budget_s, margin=REFINE_MARGIN)
+
+
+def _after_search(phase: str, t_start: float, anytime: list[dict], reports: dict[str, KernelReport]) -> dict:
+    """The anytime curve's point after one of recommend's own searches."""
+    return {"seconds": round(time.time() - t_start, 2), "phase": phase, "measured": anytime[-1]["measured"],
+            "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)}
 
 
 def _tuned_before(kernels: list[Kernel], store: DonorStore, exclude_networks: set) -> set[str]:
