@@ -370,3 +370,38 @@ def test_a_guarded_worker_that_crashes_dies_without_a_crash_handler():
     finally:
         plain.shutdown()
         guarded.shutdown()
+
+
+def _doubling(reads_past: int = 0, writes_past: int = 0):
+    """``out = 2 * a`` over 256 floats, as a kernel's untuned program, or with loops that run
+    past the buffers' ends (as a transferred tile over an extent it does not divide did)."""
+    import tvm
+    from tvm.script import tirx as T
+
+    n = 256
+
+    @T.prim_func(s_tir=True)
+    def main(a: T.Buffer((n,), "float32"), out: T.Buffer((n,), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i in range(n + writes_past):
+            with T.sblock("double"):
+                v = T.axis.spatial(n + writes_past, i)
+                out[v] = a[v] * T.float32(2) + a[v + reads_past] * T.float32(1e-30)
+
+    return tvm.IRModule({"main": main})
+
+
+@pytest.mark.parametrize("stray", ["writes_past", "reads_past"])
+def test_a_candidate_that_runs_past_its_buffers_is_a_wrong_result(stray, target):
+    """A schedule whose loops overrun a buffer by a few elements computes every in-bounds
+    output right: the check runs each candidate on arguments fenced with NaN, so a stray write
+    is seen in the fence and a stray read spoils the outputs, and neither is ever measured."""
+    m = measure.Measurer(target)
+    try:
+        ok, strayed = m.measure([_doubling(), _doubling(**{stray: 4})], reference=_doubling(),
+                                reference_key="doubling")
+        assert ok.ok
+        assert strayed.status == "wrong_result"
+        assert ("wrote outside argument 1 " if stray == "writes_past" else "max abs error nan") in strayed.error
+    finally:
+        m.close()

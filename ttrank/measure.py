@@ -285,22 +285,82 @@ def _written(func) -> list[int]:
     return out or list(range(len(params)))
 
 
+FENCE_MIN_BYTES = 1 << 16  # at least this much guarded memory each side of an argument
+FENCE_MAX_BYTES = 1 << 24
+
+
+class StrayAccess(Exception):
+    """A kernel wrote outside its arguments (a transferred schedule whose loops overrun a
+    buffer): it must never be measured or shipped, whatever its outputs."""
+
+
+def _fence_item(dtype, i: int):
+    """The bytes of one element of argument ``i``'s fence: for floats a NaN whose payload names
+    the argument (arithmetic on a NaN keeps its payload, so a value computed from a stray read
+    of one argument and written past another still differs from that one's fence)."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        bits = {2: 0x7E00, 4: 0x7FC00000, 8: 0x7FF8000000000000}[dt.itemsize] | (i + 1)
+    else:
+        bits = int.from_bytes(bytes([0xA5 ^ (i & 0xFF)]) * dt.itemsize, "little")
+    return np.array([bits], dtype=f"<u{dt.itemsize}").view(np.uint8)
+
+
+def _fenced(arrays: list) -> tuple[list, Callable[[], list[int]]]:
+    """TVM tensors over copies of ``arrays``, each inside memory of its own fenced on both
+    sides (:func:`_fence_item`), and a function giving the indices of those whose fence was
+    written.
+
+    A schedule that overruns a buffer by a little (a transferred tile over an extent it does
+    not divide) then writes into the fence, not into the allocator's bookkeeping: seen on
+    Xception, where such a candidate corrupted the check worker's heap and hung it; a stray read
+    takes NaN, which the output check catches.
+    """
+    import numpy as np
+    import tvm
+
+    tensors, fences = [], []
+    for i, a in enumerate(arrays):
+        n = a.nbytes
+        pad = min(max(n, FENCE_MIN_BYTES), FENCE_MAX_BYTES)
+        pad += -pad % 64
+        fence = np.tile(_fence_item(a.dtype, i), pad // a.dtype.itemsize)
+        raw = np.empty(n + 2 * pad + 64, dtype=np.uint8)
+        buf = raw[-raw.ctypes.data % 64:][:n + 2 * pad]  # TVM's kernels assume 64-byte alignment
+        buf[:pad] = fence
+        buf[pad + n:] = fence
+        view = buf[pad:pad + n].view(a.dtype).reshape(a.shape)
+        view[...] = a
+        tensors.append(tvm.runtime.from_dlpack(view))  # shares the memory
+        fences.append((buf, pad, n, fence))
+
+    def strayed() -> list[int]:
+        return [i for i, (buf, pad, n, fence) in enumerate(fences)
+                if not (np.array_equal(buf[:pad], fence) and np.array_equal(buf[pad + n:], fence))]
+
+    return tensors, strayed
+
+
 def _run_host(mod, seed: int = 0, built=None) -> tuple[list, list, float]:
     """Build for the host (or take ``built``, a compiled or loaded module) and run on
-    deterministic inputs: (the inputs as made, every argument after the call, the call's
-    seconds)."""
+    deterministic inputs, each argument fenced (:func:`_fenced`): (the inputs as made, every
+    argument after the call, the call's seconds). Raises :class:`StrayAccess` if the call wrote
+    outside its arguments."""
     import tvm
 
     func = mod[[gv for gv in mod.functions][0]]
     rt = built if built is not None else tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
-    dev = tvm.cpu()
     inputs = _random_args(func, seed)
-    args = [tvm.runtime.tensor(a, dev) for a in inputs]
+    args, strayed = _fenced(inputs)
     # tvm.compile gives an Executable (JIT on first call), load_module a Module
     main = (rt.jit() if isinstance(rt, tvm.runtime.Executable) else rt).main
     t0 = time.perf_counter()
     main(*args)
     secs = time.perf_counter() - t0
+    if bad := strayed():
+        raise StrayAccess(f"wrote outside argument {', '.join(map(str, bad))} (a loop overruns its buffer)")
     return inputs, [a.numpy() for a in args], secs
 
 
@@ -328,14 +388,18 @@ def _reference(ref_mod, ref_key: str, refs_dir: str, built=None) -> tuple[int, d
 
 
 def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol: float,
-                   built=None) -> tuple[float | None, float]:
-    """(max abs error of ``mod`` against ``ref_mod`` on the same inputs, or None if they agree
-    (another signature never does); the seconds of ``mod``'s call). An argument the reference
-    does not write must come out as it went in."""
+                   built=None) -> tuple[float | str | None, float]:
+    """(max abs error of ``mod`` against ``ref_mod`` on the same inputs, or why it is wrong when
+    it wrote outside its arguments, or None if they agree (another signature never does); the
+    seconds of ``mod``'s call). An argument the reference does not write must come out as it
+    went in."""
     import numpy as np
 
     n, ref, _ = _reference(ref_mod, ref_key, refs_dir)
-    inputs, got, secs = _run_host(mod, built=built)
+    try:
+        inputs, got, secs = _run_host(mod, built=built)
+    except StrayAccess as e:
+        return str(e), 0.0
     if len(got) != n:
         return float("inf"), secs
     worst, bad = 0.0, False
@@ -346,6 +410,8 @@ def _check_against(mod, ref_mod, ref_key: str, refs_dir: str, rtol: float, atol:
         if g.dtype.kind != "f":
             bad = bad or not np.array_equal(g, r)
             continue
+        if not np.isfinite(g).all() and np.isfinite(r).all():  # a stray read, or an overflow
+            return float("nan"), secs
         err = float(np.max(np.abs(g.astype(np.float64) - r))) if g.size else 0.0
         worst = max(worst, err)
         scale = float(np.max(np.abs(r))) if r.size else 0.0
@@ -374,7 +440,8 @@ def _build_check_export(mod, target, artifact_dir: str, ref_mod, ref_key: str,
     program (no weight-layout rewrite to strip) it is compiled once, exported, and the exported
     library is what the check runs (LLVM generates code once: a JIT run before the export
     would generate it twice); that call's seconds come back as the build's ``once_s``.
-    Returns (the build, None) or (None, the max abs error of a wrong result).
+    Returns (the build, None) or (None, the max abs error of a wrong result, or why it is
+    wrong when no error measures it).
     """
     import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
@@ -504,7 +571,7 @@ class WarmPoolBuilder(PyBuilder):
         """Build each module, first checking its output against ``ref_mod``'s (or, per module,
         against ``references[i] = (ref_mod, ref_key)``).
 
-        Returns per module ("ok", :class:`Built`), ("wrong_result", max abs error),
+        Returns per module ("ok", :class:`Built`), ("wrong_result", max abs error or why),
         ("timeout", message) or ("build_error", message).
         """
         out = []
@@ -917,8 +984,8 @@ class Measurer:
         inputs, idx, paths = [], [], []
         for i, (m, (status, value)) in enumerate(zip(mods, built)):
             if status == "wrong_result":
-                out[i] = Measurement(None, status, f"wrong result: max abs error {value:.3g} "
-                                                   f"against the untuned kernel")
+                why = value if isinstance(value, str) else f"max abs error {value:.3g} against the untuned kernel"
+                out[i] = Measurement(None, status, f"wrong result: {why}")
                 continue
             if status != "ok":
                 out[i] = Measurement(None, status, str(value))
