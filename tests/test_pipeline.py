@@ -3,6 +3,7 @@ train the XGBoost ranker, rank without measuring, recommend, learn from the run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -361,6 +362,36 @@ def test_recommend_within_a_measuring_budget(trained, donor_dir, tiny_cnn, tmp_p
         elif k is not first:
             assert not k.measured and "budget" in k.why
     assert res.provenance["candidates_left_unmeasured"] > 0
+    assert res.max_abs_error_vs_onnxruntime < 1e-3
+
+
+def test_a_sibling_on_which_its_leads_fastest_fails_looks_at_its_own_next_candidates(trained, donor_dir, tiny_cnn,
+                                                                                   tmp_path, monkeypatch):
+    """A kernel of the same conv as a heavier one (another epilogue) measures only that one's
+    fastest schedule. When that schedule fails on it (on Xception's conv with a strided slice
+    and a residual add, the lead's schedule wrote past the output), the kernel's own next
+    candidates are measured instead of leaving it to a native search from scratch."""
+    sibling_picks = pipeline._sibling_picks
+    broken: dict[str, str] = {}
+
+    def failing_on_the_sibling(k, lead, *args, **kw):
+        got = sibling_picks(k, lead, *args, **kw)
+        for p in got or []:  # the lead's own program: another signature, a wrong result here
+            p.transferred = dataclasses.replace(p.transferred, mod=lead.mod)
+            broken[k.name] = p.candidate.record.id
+        return got
+
+    monkeypatch.setattr(pipeline, "_sibling_picks", failing_on_the_sibling)
+    res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
+                           ranker=Ranker.load(trained), top_k=1, adaptive=False, minor_share=0.0,
+                           data_dir=tmp_path / "data", database_dir=tmp_path / "db",
+                           time_model=False, tune_missing=0)
+    siblings = [k for k in res.kernels if k.name in broken]
+    assert siblings
+    for k in siblings:
+        assert k.sibling_of and k.measured[0]["status"] == "wrong_result"
+        assert 1 <= k.second_look <= pipeline.SECOND_LOOK
+        assert any(m["status"] == "ok" for m in k.measured[1:]) and k.status == "tuned"
     assert res.max_abs_error_vs_onnxruntime < 1e-3
 
 

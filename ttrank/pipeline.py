@@ -445,7 +445,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
         if more:
             measure([k for k in ks if k.name in more], budget_s, more)
 
-    def second_look(ks: list[Kernel]) -> None:
+    def second_look(ks: list[Kernel], missed: Callable[..., bool] = _missed) -> None:
         # the next candidates of the kernels whose picks all missed, within the same budget; only
         # where the untuned kernel is worth minor_share of the model as tuned so far (a pooling
         # kernel of microseconds that its picks did not beat gains nothing to speak of)
@@ -453,7 +453,7 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
             return
         t = time.time()
         model_s = sum(reports[n].weight * (s or 0.0) for n, s in tuned_so_far().items())
-        more = {k.name: got for k in ks if ranked.get(k.name) and _missed(picks[k.name], fresh, reports[k.name])
+        more = {k.name: got for k in ks if ranked.get(k.name) and missed(picks[k.name], fresh, reports[k.name])
                 and k.weight * (reports[k.name].untuned_s or 0.0) >= policy.minor_share * model_s
                 and (got := _next_picks(k, ranked[k.name], picks[k.name] or [], reports[k.name], stage2,
                                         cached, target, build_s))}
@@ -481,6 +481,10 @@ def _measure(model: LoadedModel, kernels: list[Kernel], ranked: dict[str, list[C
     lists(orphans)
     phases["transferring"] = round(phases["transferring"] + time.time() - t, 2)
     measure(shared, None, phase="siblings")
+    # a sibling on which its lead's fastest failed (Xception's 1x1 conv with a strided slice and
+    # a residual add after it: the schedule transferred from the lead's wrote past its output)
+    # looks at its own next candidates; one it ran slower than the untuned kernel does not
+    second_look(shared, _all_failed)
     measure(orphans, budget_s)
     late_picks(orphans)
     second_look(orphans)
@@ -558,6 +562,13 @@ def _missed(picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport)
     rows = [r for p in picks or [] if (r := p.row or fresh.get(id(p))) is not None]
     ok = [r["latency_s"] for r in rows if r["status"] == "ok" and r["latency_s"]]
     return bool(rows) and (not ok or (rep.untuned_s is not None and min(ok) >= rep.untuned_s))
+
+
+def _all_failed(picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport) -> bool:
+    """Whether a kernel's picks were measured and none ran correctly (a wrong result, a crash):
+    unlike a pick that ran slower than the untuned kernel, this says nothing of the next ones."""
+    rows = [r for p in picks or [] if (r := p.row or fresh.get(id(p))) is not None]
+    return bool(rows) and not any(r["status"] == "ok" and r["latency_s"] for r in rows)
 
 
 def _next_picks(k: Kernel, ranked: list[Candidate], picks: list[Pick], rep: KernelReport,
