@@ -190,9 +190,50 @@ def _shuffle_branch(path: Path) -> Path:
     return path
 
 
+def _xception_flow(path: Path) -> Path:
+    """Xception's middle flow on 120 channels (blocks of 15 do not divide 16 lanes): a 1x1 conv
+    and ReLU, a slice of its rows and columns (the padded rows a conv computes,
+    :func:`ttrank.graphopt.pad_conv_outputs`), a max pool, a depthwise and a 1x1 conv, a
+    hard-swish and a divide, a 1x1 conv and the residual add."""
+    g = zoo.GraphBuilder("xception_flow", seed=0)
+    x = g.input("input", [1, 120, 9, 9])
+
+    def rows_and_columns(t: str) -> str:
+        return g.node("Slice", [t, g.const(np.array([0, 0], np.int64)), g.const(np.array([8, 8], np.int64)),
+                                g.const(np.array([2, 3], np.int64))])
+
+    y = g.maxpool(rows_and_columns(g.relu(g.conv(x, 120, 120, 1))), 3, 1, 1)
+    # MobileNetV3's hard-swish, and a divide by per-channel constants
+    y = g.hardswish(g.conv(g.conv(y, 120, 120, 3, groups=120), 120, 120, 1))
+    y = g.node("Div", [y, g.const(np.linspace(0.5, 2.0, 120, dtype=np.float32).reshape(1, 120, 1, 1))])
+    y = g.conv(y, 120, 120, 1)
+    g.output(g.add(rows_and_columns(x), y), [1, 120, 8, 8])
+    onnx.save(g.model(), str(path))
+    return path
+
+
+def test_padded_channels_stay_padded_through_slices_pools_and_elementwise_ops(tmp_path, target):
+    """The zero channels flow on through what keeps each channel to itself (slices of rows and
+    columns, pools, element-wise ops that cannot make a NaN of a zero), so the data stays in
+    whole blocks of 16 from conv to conv: no layout transform between them."""
+    model = frontend.load(_xception_flow(tmp_path / "flow.onnx"))
+    packed = dataclasses.replace(model, mod=layouts.pack_conv2d_nchwc(model.mod, target, lanes=16),
+                                 layout="nchwc", kernel_cache={})
+    ks = kernels.extract(packed.mod, target)
+    convs = [k for k in ks if "NCHWc" in k.anchor_op]
+    assert [k.extents[1] * k.extents[4] for k in convs] == [128, 128, 128, 128], [k.extents for k in convs]
+    # the input's and the output's transforms only
+    assert sum("layout_transform" in k.workload_class for k in ks) <= 2, [k.name for k in ks]
+    ex = runtime.compile_model(packed, target)
+    res = runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(ex, packed), packed)
+    assert res.ok and res.max_abs_error < 1e-4
+
+
 def test_convs_whose_channels_block_badly_compute_whole_blocks_of_zeros(tmp_path, target):
-    assert [layouts.padded_channels(c, 16) for c in (116, 58, 232, 24, 128)] == [128, 64, 232, 24, 128]
-    assert [layouts.padded_channels(c, 8) for c in (116, 58)] == [116, 64]
+    # blocks of 4 and 2 channels, or of 14 and 15 that do not divide 16 lanes, if that adds at most 1/8
+    assert [layouts.padded_channels(c, 16) for c in (116, 58, 728, 120, 232, 24, 40, 128)] == \
+        [128, 64, 736, 128, 232, 24, 40, 128]
+    assert [layouts.padded_channels(c, 8) for c in (116, 58, 728, 120)] == [116, 64, 728, 120]
     model = frontend.load(_shuffle_branch(tmp_path / "branch.onnx"))
     packed = dataclasses.replace(model, mod=layouts.pack_conv2d_nchwc(model.mod, target, lanes=16),
                                  layout="nchwc", kernel_cache={})
