@@ -195,7 +195,11 @@ def _keeps_channels(call) -> bool:
     of the other axes, a 2-D pool."""
     name, a = call.op.name, call.attrs
     if name == "relax.strided_slice":
-        return all(int(ax.value) % 4 != 1 for ax in call.args[1].fields)
+        axes = call.args[1]
+        if not isinstance(axes, relax.Tuple) or not all(
+                isinstance(getattr(ax, "value", None), tvm.tirx.expr.IntImm) for ax in axes.fields):
+            return False  # axes known only at run time
+        return all(int(ax.value) % 4 != 1 for ax in axes.fields)
     if name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
         return a.layout == "NCHW" and (a.out_layout or "NCHW") == "NCHW"
     return False
