@@ -196,10 +196,10 @@ def _keeps_channels(call) -> bool:
     name, a = call.op.name, call.attrs
     if name == "relax.strided_slice":
         axes = call.args[1]
-        if not isinstance(axes, relax.Tuple) or not all(
-                isinstance(getattr(ax, "value", None), tvm.tirx.expr.IntImm) for ax in axes.fields):
+        known = list(axes.fields) if isinstance(axes, relax.Tuple) else [None]
+        if not all(isinstance(ax, tvm.tirx.expr.IntImm) for ax in known):
             return False  # axes known only at run time
-        return all(int(ax.value) % 4 != 1 for ax in axes.fields)
+        return all(int(ax) % 4 != 1 for ax in known)
     if name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
         return a.layout == "NCHW" and (a.out_layout or "NCHW") == "NCHW"
     return False
