@@ -556,19 +556,24 @@ def _shortlist(k: Kernel, ranked: list[Candidate], rep: KernelReport, reports: d
     return picks, share
 
 
+def _measured(picks: list[Pick] | None, fresh: dict[int, dict]) -> tuple[list[dict], list[float]]:
+    """The rows of a kernel's measured picks, and the latencies of those that ran correctly."""
+    rows = [r for p in picks or [] if (r := p.row or fresh.get(id(p))) is not None]
+    return rows, [r["latency_s"] for r in rows if r["status"] == "ok" and r["latency_s"]]
+
+
 def _missed(picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport) -> bool:
     """Whether a kernel's picks were measured and none ran correctly faster than its untuned
     kernel (a kernel whose picks the budget left unmeasured has not missed)."""
-    rows = [r for p in picks or [] if (r := p.row or fresh.get(id(p))) is not None]
-    ok = [r["latency_s"] for r in rows if r["status"] == "ok" and r["latency_s"]]
+    rows, ok = _measured(picks, fresh)
     return bool(rows) and (not ok or (rep.untuned_s is not None and min(ok) >= rep.untuned_s))
 
 
 def _all_failed(picks: list[Pick] | None, fresh: dict[int, dict], rep: KernelReport) -> bool:
     """Whether a kernel's picks were measured and none ran correctly (a wrong result, a crash):
     unlike a pick that ran slower than the untuned kernel, this says nothing of the next ones."""
-    rows = [r for p in picks or [] if (r := p.row or fresh.get(id(p))) is not None]
-    return bool(rows) and not any(r["status"] == "ok" and r["latency_s"] for r in rows)
+    rows, ok = _measured(picks, fresh)
+    return bool(rows) and not ok
 
 
 def _next_picks(k: Kernel, ranked: list[Candidate], picks: list[Pick], rep: KernelReport,
@@ -702,8 +707,7 @@ def _best_so_far(kernels: list[Kernel], picks: dict[str, list[Pick] | None], fre
     best: dict[str, float | None] = {}
     for k in kernels:
         rep = reports[k.name]
-        lats = [r["latency_s"] for p in picks.get(k.name) or []
-                if (r := p.row or fresh.get(id(p))) is not None and r["status"] == "ok" and r["latency_s"]]
+        _, lats = _measured(picks.get(k.name), fresh)
         best[k.name] = min([*lats, rep.untuned_s] if rep.untuned_s else lats, default=None)
     return best
 
