@@ -34,7 +34,7 @@ from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 from .donors import DonorStore, scheduled
 from .errors import DeviceError
 from .features import parse_trace
-from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, one_cpu, probe
+from .fleet import DEVICE_LOST, FleetRunner, Tracker, alloc_in_bounds, last_line, one_cpu, probe
 from .target import CpuShare, ForeignLoad, cross_compiler, host_cores, host_target_dict, host_triple, provenance
 from .util import file_lock
 from .workers import die_on_crash, guard
@@ -563,7 +563,7 @@ class WarmPoolBuilder(PyBuilder):
             return "ok", r.value
         if r.status == StatusKind.TIMEOUT:
             return "timeout", f"build timeout: killed after {self.timeout_sec:g} s"
-        return "build_error", f"build error: {_last_line(str(r.value))}"
+        return "build_error", f"build error: {last_line(str(r.value))}"
 
     def build_checked(self, mods: list, target, ref_mod=None, ref_key: str = "",
                       references: list[tuple[Any, str]] | None = None,
@@ -618,7 +618,7 @@ class WarmPoolBuilder(PyBuilder):
             if done.returncode == 0:
                 out[name] = dst
             else:
-                log.warning("could not reuse the measured build of %s: %s", name, _last_line(done.stderr))
+                log.warning("could not reuse the measured build of %s: %s", name, last_line(done.stderr))
         return out
 
     def warm(self) -> None:
@@ -630,11 +630,6 @@ class WarmPoolBuilder(PyBuilder):
         """Remove this builder's artifacts; the shared workers stay for the next builder."""
         self._pool = None
         shutil.rmtree(self.artifact_dir, ignore_errors=True)
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else text[:500]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1051,7 +1046,7 @@ class Measurer:
                     raise
                 runs += 1
                 if device_lost:  # another device may measure it in a later pass
-                    lost[idx[j]] = (f"RPC device lost mid-measure ({_last_line(r.error_msg)}); "
+                    lost[idx[j]] = (f"RPC device lost mid-measure ({last_line(r.error_msg)}); "
                                     "no later pass could measure it")
                 elif r.error_msg:
                     errors[idx[j]] = r.error_msg
@@ -1074,7 +1069,7 @@ class Measurer:
             elif msg is None and i in lost:
                 out[i] = Measurement(None, "run_error", lost[i], devices=devices[i])
             else:
-                out[i] = Measurement(None, "timeout" if is_timeout else "run_error", _last_line(msg or ""),
+                out[i] = Measurement(None, "timeout" if is_timeout else "run_error", last_line(msg or ""),
                                      devices=devices[i])
         foreign = load.stop() if load is not None else None
         if foreign is not None:

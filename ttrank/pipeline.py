@@ -25,6 +25,7 @@ from .coverage import TuningPlan, plan_missing, plan_refine
 from .donors import DonorStore, tuned_here_dir
 from .errors import CheckError, TTRankError
 from .features import parse_trace
+from .fleet import last_line
 from .frontend import LoadedModel
 from .kernels import Kernel, model_kernels
 from .measure import COLD_CACHE, Measurer, RunnerSpec
@@ -936,8 +937,9 @@ def _search(model: LoadedModel, plans: list[TuningPlan], chosen: dict[str, Trans
         except Exception as e:  # noqa: BLE001 - an optional search keeps what transfer gave
             if deadline is None:
                 raise
+            failed = f"its further search failed: {last_line(str(e)) or type(e).__name__}"
             for kk in plan.kernels:
-                reports[kk.name].why = _also(reports[kk.name].why, f"its further search failed: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
+                reports[kk.name].why = _also(reports[kk.name].why, failed)
             continue
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         wall = time.time() - t_k
