@@ -1,6 +1,6 @@
 """`ttrank recommend` on ONNX exports made outside this repo, as a new user runs them.
 
-    python bench/exports.py DIR [--only NAME ...] [--force] [--budget-minutes M]
+    python bench/exports.py DIR [--only NAME ...] [--force] [--budget-minutes M] [--out FILE.json]
 
 Every ``DIR/*.onnx`` (third-party exports: torchvision's, timm's and transformers' models
 through torch.onnx, a detector from another toolchain, ...) runs through the CLI with the
@@ -10,7 +10,8 @@ when recommend exits 0, which it does only when the compiled model's outputs mat
 onnxruntime's. ``DIR/NAME.args`` holds the file's extra arguments if it needs any (the
 --input-shape that binds a text model's dynamic axes). Results are kept per file in
 bench/results/exports.json (a file is rerun when its bytes, the shipped ranker or the commit
-changed, or with --force) and tabled in exports.md: ttrank's latency against onnxruntime's,
+changed, or with --force) and tabled in exports.md (``--out`` keeps another table, for example
+one CPU's beside the main one's): ttrank's latency against onnxruntime's,
 timed in alternation in the same run, the phases, and the one line a failure ends with. No
 export is committed: bench/export_torchvision.py makes the torchvision ones,
 bench/export_hub.py the timm and transformers ones (they need torch, which ttrank does not),
@@ -117,12 +118,15 @@ def main() -> int:
     ap.add_argument("--force", action="store_true", help="rerun files whose result is current")
     ap.add_argument("--budget-minutes", type=float, default=None,
                     help="start no new file after this long (the rest stay for the next run)")
+    ap.add_argument("--out", type=Path, default=OUT,
+                    help="the results file (its table goes beside it, .md); default bench/results/exports.json")
     args = ap.parse_args()
     files = sorted(p for p in args.dir.glob("*.onnx") if args.only is None or p.stem in args.only)
     if not files:
         print(f"exports: no .onnx files in {args.dir}", file=sys.stderr)
         return 2
-    rows = json.loads(OUT.read_text()) if OUT.exists() else {}
+    out = args.out
+    rows = json.loads(out.read_text()) if out.exists() else {}
     commit, ranker = head_commit(), ranker_id()
     t0 = time.time()
     for path in files:
@@ -147,8 +151,8 @@ def main() -> int:
                 last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
                 row = {"error": last[:300], "recommend_seconds": round(time.time() - t, 1)}
         rows[path.stem] = {**row, **key, "provenance": provenance()}
-        atomic_write_json(OUT, rows)
-        atomic_write_text(OUT.with_suffix(".md"), table(rows))
+        atomic_write_json(out, rows)
+        atomic_write_text(out.with_suffix(".md"), table(rows))
         print(f"{path.stem}: {row.get('latency_vs_onnxruntime') or row.get('error')}", flush=True)
     return 0
 
