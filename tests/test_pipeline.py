@@ -11,20 +11,21 @@ import numpy as np
 import pytest
 
 import ttrank
-from ttrank import collect, donors, frontend, measure, pipeline, training
+from ttrank import collect, donors, frontend, measure, pipeline, training, transfer, zoo
 from ttrank.cli import main
 from ttrank.errors import RankerError
 from ttrank.evaluate import choose_top_k, evaluate, group_metrics, leave_one_network_out, repeat_agreement
 from ttrank.features import FEATURE_NAMES, FEATURE_VERSION
-from ttrank.kernels import extract
+from ttrank.kernels import Kernel, extract
 from ttrank.ranker import Ranker, meta_path
 from ttrank.ranking import policy_of
 from ttrank.space import small_space
 from ttrank.target import make_target
+from ttrank.tune import tune
 from ttrank.workdir import loaded_as, write_build_seconds
 
 
-from conftest import _collect_tiny_cnn  # noqa: E402
+from conftest import DONOR_KERNELS, _collect_tiny_cnn  # noqa: E402
 
 
 def test_collect_is_resumable(measurements, donor_dir, tiny_cnn, target):
@@ -664,24 +665,60 @@ def test_what_no_donor_covers_is_tuned_once_then_transferred(trained, donor_dir,
     assert again.max_abs_error_vs_onnxruntime < 1e-3
 
 
-def test_the_native_budget_left_searches_the_heaviest_transferred_kernel_further(trained, donor_dir, tiny_cnn,
-                                                                                 tmp_path, monkeypatch):
+def test_only_the_users_own_searches_keep_a_kernel_from_a_further_search(donor_dir, tmp_path, monkeypatch):
+    """Recommend's further search skips a kernel that a search of this user's tuned on exactly
+    (another model's recommend, `adapt`): it was searched here. A shipped donor tuned on
+    exactly does not stop it: a schedule from elsewhere may beat that donor (on znver3, a
+    ResNet-34 conv ran a znver4 schedule 1.4x faster than ResNet-18's own, tuned there), and a
+    search seeded with the winner can go further."""
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    kernels = extract(frontend.load(zoo.export("tiny_resnet", tmp_path / "tiny_resnet.onnx")).mod, make_target())
+    shipped = donors.DonorStore.load([donor_dir])
+    assert pipeline._tuned_before(kernels, shipped, set()) == set(DONOR_KERNELS)
+    assert pipeline._tuned_before(kernels, shipped, set(), users_only=True) == set()
+    mine = donors.user_donor_dir() / "tiny_resnet"  # as a recommend of tiny_resnet would have left it
+    shutil.copytree(donor_dir, mine)
+    users = donors.DonorStore.load([mine])
+    assert pipeline._tuned_before(kernels, users, set(), users_only=True) == set(DONOR_KERNELS)
+
+
+@pytest.mark.parametrize("start", ["from_its_transfer", "from_samples_as_a_matmul", "not_from_samples_as_a_conv"])
+def test_the_native_budget_left_searches_the_heaviest_transferred_kernel_further(start, trained, donor_dir,
+                                                                                 tiny_cnn, tmp_path, monkeypatch):
     """What the kernels no donor covers leave of --tune-missing's budget goes to native search
     of the transferred kernels that hold the most of the model's time, starting from their
     schedules and measured as recommend measures them (cold caches): a search's best replaces
     the transferred schedule only when it is faster. Its records join the user's donors, so
-    the next run transfers them instead of searching again."""
+    the next run transfers them instead of searching again. A transfer that cannot seed a
+    search (an anchor-trace replay) is searched from MetaSchedule's own samples when it is a
+    matmul far below the FLOP rate of the model's fastest kernel; a conv's design space is too
+    large for that to pay, and it is left as it is."""
     monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))  # the user's donor store
+    if start != "from_its_transfer":
+        monkeypatch.setattr(transfer.Transferred, "seedable", property(lambda self: False))
+    if start == "from_samples_as_a_matmul":  # tiny_cnn's heavy kernels are convs: as if they were slow matmuls
+        monkeypatch.setattr(Kernel, "is_matmul", property(lambda self: True))
+        monkeypatch.setattr(pipeline, "UNSEEDED_REFINE_RATE", 1e9)
+    seeds = []
+
+    def tune_and_note_seeds(*args, **kwargs):
+        seeds.append(kwargs.get("seeds"))
+        return tune(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "tune", tune_and_note_seeds)
     model = frontend.load(tiny_cnn)
     kw = dict(ranker=Ranker.load(trained), top_k=2, data_dir=tmp_path / "data", time_model=False,
               tune_missing=35.0)  # one search: its least (coverage.plan_refine's min_seconds) is 30
     res = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), database_dir=tmp_path / "db1", **kw)
     assert not any(k.status == "tuned-missing" for k in res.kernels)  # nothing uncovered weighs enough
     searched = [k for k in res.kernels if k.tuning is not None]
+    if start == "not_from_samples_as_a_conv":
+        assert not any("conv" in k.workload_class for k in searched)
+        return
     assert len(searched) == 1 and res.search_seconds["refining"] > 0  # 30 s buy one search
+    if start == "from_samples_as_a_matmul":
+        assert seeds == [None]
     k = searched[0]
-    # a heavy one (at least 4% of the estimated model time; the heaviest whose transfer can seed
-    # a search)
+    # a heavy one (at least 4% of the estimated model time, the heaviest)
     time_of = {r.name: r.weight * ((r.tuning or {}).get("before_s") or r.best_s or 0.0) for r in res.kernels}
     assert k.flops > 0 and k.tuning["before_s"] > 0 and time_of[k.name] >= 0.04 * sum(time_of.values())
     if k.status == "refined":
@@ -691,6 +728,8 @@ def test_the_native_budget_left_searches_the_heaviest_transferred_kernel_further
         assert k.status == "tuned" and k.chosen["latency_s"] == k.tuning["before_s"]
         assert "found nothing 3% faster" in k.why
     assert res.max_abs_error_vs_onnxruntime < 1e-3
+    if start != "from_its_transfer":
+        return  # what follows does not depend on how the search began
     # --no-refine: the budget is for uncovered kernels only
     plain = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), database_dir=tmp_path / "db0",
                              refine=False, **kw)

@@ -44,10 +44,20 @@ class Kernel:
         """Kernels worth scheduling: they have a reduction or do arithmetic."""
         return self.flops > 0 or "R" in self.iter_kinds
 
+    @property
+    def is_matmul(self) -> bool:
+        """Anchored on a matrix product (dense, batched, transposed)."""
+        return is_matmul_op(self.anchor_op)
+
     def compatible(self, other: Kernel) -> bool:
         """A schedule of ``other`` can be replayed on this kernel: the same loop nest, under the
         same anchor op or a variant of it (:data:`ANCHOR_VARIANTS`)."""
         return other.anchor_op in anchor_family(self.anchor_op) and self.iter_kinds == other.iter_kinds
+
+
+def is_matmul_op(anchor_op: str) -> bool:
+    """Whether a (normalised) anchor block name is a matrix product's."""
+    return anchor_op in ("matmul", "batch_matmul", "dense") or anchor_op.endswith("matmul_NT")
 
 
 # Anchor ops whose anchor blocks have the same loop nest (batch, out channel, rows, columns;
@@ -177,7 +187,7 @@ def describe(mod, name: str | None = None, weight: int = 1) -> Kernel:
     attrs: dict[str, Any] = {}
     if anchor is not None and anchor_op in ("conv2d_nchw", "group_conv2d_nchw"):
         attrs = _conv_attrs(anchor, extents)
-    elif anchor_op in ("matmul", "batch_matmul", "dense") or anchor_op.endswith("matmul_NT"):
+    elif is_matmul_op(anchor_op):
         attrs = _matmul_attrs(anchor, extents, kinds)
     args = ms.arg_info.ArgInfo.from_prim_func(func)
     shapes = [[int(d) for d in a.shape] for a in args]

@@ -22,7 +22,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from . import measurements
 from .coverage import TuningPlan, plan_missing, plan_refine
-from .donors import DonorStore, tuned_here_dir
+from .donors import DonorStore, tuned_here_dir, user_donor_dir
 from .errors import CheckError, TTRankError
 from .features import parse_trace
 from .fleet import last_line
@@ -66,6 +66,11 @@ TUNE_MISSING_SECONDS = 120.0
 REFINE_MARGIN = 0.03
 # the least a search past a transferred schedule is started with
 REFINE_MIN_S = 30.0
+# a matmul whose transfer seeds no search is searched from MetaSchedule's own samples only below
+# this share of the FLOP rate the model's fastest kernel reaches: ConvNeXt-T's matmuls at 0.40
+# and 0.57 of it gained 24% and 15% in 33-37 s, one at 0.72 and ViT-B/32's at 0.97 nothing
+# (znver3)
+UNSEEDED_REFINE_RATE = 0.75
 # its searches measure batches of this many trials, checking the budget after each; the first
 # batch's generation (which nothing interrupts) may take this share of a search's budget: the
 # rest builds and measures it. YOLOv5's fused box decoding, at MetaSchedule's full population,
@@ -856,16 +861,27 @@ def _refine(model: LoadedModel, kernels: list[Kernel], store: DonorStore, exclud
     shape, and a few dozen trials from it on this CPU often find a faster one (ViT-B/32's MLP
     down-projection, 2.1 ms transferred, 1.4 ms after 128 trials). Measured as recommend
     measures (``runner``'s protocol, cold caches), so the search's best replaces the transferred
-    schedule only when it is :data:`REFINE_MARGIN` faster on the same terms. Not searched: a
-    kernel searched already (in this run, or one whose records the tuned-here folder holds, which
-    a warm-cache search may have written) and one whose transfer cannot seed a search. A search
-    that fails leaves the transferred schedule. Returns the search's database, or None."""
+    schedule only when it is :data:`REFINE_MARGIN` faster on the same terms. A kernel whose
+    transfer cannot seed a search (an anchor-trace replay) is searched from MetaSchedule's own
+    samples when it is a matrix product, whose design space such a short search covers, well
+    below the FLOP rate of the model's fastest kernel (:data:`UNSEEDED_REFINE_RATE`):
+    ConvNeXt-T's MLP matmuls (42% of the model on znver3, all anchor transfers at 76-138
+    GFLOP/s) gained 15% and 24% in two of three 33-37 s searches. Not a conv's: four such
+    searches (ResNet-34, EfficientNetV2-S) ended 2.4-6.6x slower than the transferred schedule,
+    their budget spent for nothing. Not searched either: a kernel searched already (in this
+    run, or one whose records the tuned-here folder holds, which a warm-cache search may have
+    written), and one that a search of this user's tuned on exactly (another model's run).
+    A shipped donor tuned on exactly is no reason: on znver3, ResNet-34's 3x3 convs ran a
+    znver4 schedule 1.4x faster than ResNet-18's own, tuned on that very CPU. A search that
+    fails leaves the transferred schedule. Returns the search's database, or None."""
     work = tuned_here_dir(model.name, model.layout)
     db = open_database(work) if (work / WORKLOAD_FILE).exists() else None
     held = {k.name for k in kernels if db is not None and db.has_workload(k.mod)}
-    skip = ({n for n, r in reports.items() if r.status != "tuned" or r.tuning is not None}
-            | {n for n, t in chosen.items() if not t.seedable} | held
-            | _tuned_before(kernels, store, exclude_networks))
+    rate = {k.name: k.flops / reports[k.name].best_s for k in kernels if k.flops > 0 and reports[k.name].best_s}
+    slow = UNSEEDED_REFINE_RATE * max(rate.values(), default=0.0)
+    skip = ({n for n, r in reports.items() if r.status != "tuned" or r.tuning is not None} | held
+            | {n for n, t in chosen.items() if not t.seedable and not (t.kernel.is_matmul and rate.get(n, slow) < slow)}
+            | _tuned_before(kernels, store, exclude_networks, users_only=True))
     plans = plan_refine(kernels, {n: r.best_s for n, r in reports.items()}, skip, budget_s=budget_s,
                         min_seconds=REFINE_MIN_S)
     return _search(model, plans, chosen, reports, target, progress, "refining", "refined",
@@ -880,9 +896,14 @@ def _after_search(phase: str, t_start: float, anytime: list[dict], reports: dict
             "estimated_ms": _estimate_ms({n: r.best_s for n, r in reports.items()}, reports)}
 
 
-def _tuned_before(kernels: list[Kernel], store: DonorStore, exclude_networks: set) -> set[str]:
-    """The kernels some donor was tuned on (the model's own earlier run, say): not tuned again."""
-    hashes = {w.kernel.workload_hash for w in store.workloads if w.network not in exclude_networks}
+def _tuned_before(kernels: list[Kernel], store: DonorStore, exclude_networks: set,
+                  users_only: bool = False) -> set[str]:
+    """The kernels some donor was tuned on (the model's own earlier run, say): not tuned again.
+    ``users_only``: only the donors of the user's own store (their searches, ``adapt``'s)."""
+    mine = ({p.name for p in user_donor_dir().iterdir()} if user_donor_dir().is_dir() else set()
+            ) if users_only else None
+    hashes = {w.kernel.workload_hash for w in store.workloads if w.network not in exclude_networks
+              and (mine is None or (w.source or w.network) in mine)}
     return {k.name for k in kernels if k.workload_hash in hashes}
 
 
@@ -944,14 +965,17 @@ def _search(model: LoadedModel, plans: list[TuningPlan], chosen: dict[str, Trans
         extra_db = ms.database.JSONDatabase(work_dir=str(work))
         wall = time.time() - t_k
         for kk in plan.kernels:
-            _take_tuned(kk, reports[kk.name], extra_db, chosen, plan, run, wall, work, status, margin)
+            _take_tuned(kk, reports[kk.name], extra_db, chosen, plan, run, wall, work, status, margin,
+                        seeded=kk.workload_hash in seeds)
     return extra_db
 
 
 def _take_tuned(k: Kernel, rep: KernelReport, db, chosen: dict[str, Transferred], plan: TuningPlan,
-                run, wall: float, work: Path, status: str = "tuned-missing", margin: float = 0.0) -> None:
+                run, wall: float, work: Path, status: str = "tuned-missing", margin: float = 0.0,
+                seeded: bool = False) -> None:
     """``k``'s report after the search of ``plan`` (which tuned ``k`` alone or with its
-    siblings): its best record chosen when it beats what ``k`` had by ``margin``."""
+    siblings): its best record chosen when it beats what ``k`` had by ``margin``. ``seeded``:
+    the search began from what ``k`` had."""
     recs = db.get_top_k(db.commit_workload(k.mod), 1)
     best = min(float(x) for x in recs[0].run_secs) if recs else None
     rep.tuning = {"seconds": round(wall, 1), "budget_s": round(plan.seconds, 1),
@@ -969,10 +993,11 @@ def _take_tuned(k: Kernel, rep: KernelReport, db, chosen: dict[str, Transferred]
                                  f"in {rep.tuning['seconds']:.0f} s")
         return
     rep.status = status
+    start = "from its transferred schedule" if seeded else "from its own samples (its transfer seeds no search)"
     rep.why = (f"tuned with MetaSchedule ({rep.tuning['seconds']:.0f} s): {rep.why or 'no transferred schedule'}"
                if status == "tuned-missing" else
-               f"searched further with MetaSchedule from its transferred schedule "
-               f"({rep.tuning['seconds']:.0f} s): {1e3 * rep.best_s:.3f} -> {1e3 * best:.3f} ms")
+               f"searched further with MetaSchedule {start} ({rep.tuning['seconds']:.0f} s): "
+               f"{1e3 * rep.best_s:.3f} -> {1e3 * best:.3f} ms")
     chosen.pop(k.name, None)
     rep.chosen = {"donor_network": "metaschedule", "donor_kernel": k.name, "record": None,
                   "rank": 0, "score": None, "latency_s": best, "method": "tuned"}
