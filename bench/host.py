@@ -29,7 +29,11 @@ an earlier run is still a CPU the data has never seen. What was left out is in `
 
 ``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
 ``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
-``adapted@L`` and ``adaptation@L``, with caches of their own. ``--label X`` keeps a rerun after
+``adapted@L`` and ``adaptation@L``, with caches of their own. A rerun given a larger ``--adapt-minutes`` than the recorded adaptation continues it (``ttrank
+adapt`` resumes its plan) with the minutes left, adds its wall time to the adaptation's, and
+measures the adapted phase again (the earlier one kept under its ``earlier`` list).
+
+``--label X`` keeps a rerun after
 the shipped data changed (new donors), or an A/B of adapt's settings (``--adapt-*``), beside the
 earlier one, as ``shipped@L+X`` and so on.
 """
@@ -212,14 +216,21 @@ def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, de
     if args.shipped_only:
         return 0
     adapted_cache = work / f"adapted-cache{tag}"
-    if f"{adaptation}_seconds" not in res:  # one adapt run of the given budget is the step measured
+    spent = res.get(f"{adaptation}_seconds", 0.0)
+    asked = 60 * args.adapt_minutes
+    # the budget the recorded adaptation was given (before this key existed: its one run's)
+    given = 60 * res.get(f"{adaptation}_budget_minutes", (res.get(adaptation) or {}).get("budget_s", 0) / 60)
+    more = asked - spent if spent and given < asked and not (res.get(adaptation) or {}).get("complete") else 0
+    if not spent or more >= 60:
+        # one adaptation of the given budget is the step measured; a rerun given a larger budget
+        # continues it (adapt resumes its plan) with what is left, and the adapted phase is redone
         if deadline and time.time() > deadline:
             print("budget spent; rerun to continue")
             return 0
         with user_cache(adapted_cache):
             t0 = time.time()
             layout = "nchw" if args.layout == "nchw" else "nchwc"
-            cmd = ["ttrank", "adapt", "--budget-minutes", str(args.adapt_minutes), "--layout", layout]
+            cmd = ["ttrank", "adapt", "--budget-minutes", str(round((more or asked) / 60, 2)), "--layout", layout]
             # an A/B of adapt's settings: give each arm its --label
             for flag, value in (("--seeds", args.adapt_seeds), ("--plan", args.adapt_plan),
                                 ("--trials", args.adapt_trials)):
@@ -230,9 +241,18 @@ def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, de
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
-            res[f"{adaptation}_seconds"] = round(time.time() - t0, 1)
+            runs = res.get(f"{adaptation}_runs") or ([{"seconds": spent, "report": res[adaptation],
+                                                        "command": res.get(f"{adaptation}_command")}]
+                                                      if spent else [])
+            res[f"{adaptation}_seconds"] = round(spent + time.time() - t0, 1)
+            res[f"{adaptation}_budget_minutes"] = args.adapt_minutes
             res[adaptation] = adapted(make_target(), layout)
-        res[f"{adaptation}_command"] = " ".join(cmd)
+            res[f"{adaptation}_command"] = " ".join(cmd)
+            res[f"{adaptation}_runs"] = [*runs, {"seconds": round(time.time() - t0, 1), "report": res[adaptation],
+                                                 "command": " ".join(cmd), "commit": head_commit()}]
+        if spent:  # the adapted phase measured the shorter adaptation: kept, and measured again
+            old_phase = res[adapted_phase]
+            res[adapted_phase] = {"networks": {}, "earlier": [*old_phase.pop("earlier", []), old_phase]}
         save()
     if not run_phase(adapted_phase, adapted_cache):
         print("budget spent; rerun to continue")
