@@ -639,7 +639,7 @@ def test_what_no_donor_covers_is_tuned_once_then_transferred(trained, donor_dir,
     # it is the whole model: all of the budget is its
     assert softmax.tuning["share"] == pytest.approx(1.0) and softmax.tuning["budget_s"] == pytest.approx(20.0)
     assert res.max_abs_error_vs_onnxruntime < 1e-3
-    tuned_dir = donors.user_donor_dir() / model.name
+    tuned_dir = donors.tuned_here_dir(model.name, model.layout)
     trials = tuned_dir / "trials.jsonl"
 
     task = softmax.name  # "fast_softmax" with fast math, the default
@@ -676,8 +676,14 @@ def test_only_the_users_own_searches_keep_a_kernel_from_a_further_search(donor_d
     shipped = donors.DonorStore.load([donor_dir])
     assert pipeline._tuned_before(kernels, shipped, set()) == set(DONOR_KERNELS)
     assert pipeline._tuned_before(kernels, shipped, set(), users_only=True) == set()
-    mine = donors.user_donor_dir() / "tiny_resnet"  # as a recommend of tiny_resnet would have left it
-    shutil.copytree(donor_dir, mine)
+    # a user's own model named like that shipped set: its tuned-here folder is named apart, so
+    # the shipped set still does not count as the user's (nor shares its record ids)
+    mine = donors.tuned_here_dir("tiny_resnet")
+    mine.mkdir(parents=True)
+    assert donors.network_of(mine) == "tiny_resnet" and mine.name != donor_dir.name
+    assert pipeline._tuned_before(kernels, shipped, set(), users_only=True) == set()
+    shutil.rmtree(mine)
+    shutil.copytree(donor_dir, mine)  # as a recommend of tiny_resnet would have left it
     users = donors.DonorStore.load([mine])
     assert pipeline._tuned_before(kernels, users, set(), users_only=True) == set(DONOR_KERNELS)
 
@@ -735,7 +741,7 @@ def test_the_native_budget_left_searches_the_heaviest_transferred_kernel_further
                              refine=False, **kw)
     assert all(r.tuning is None for r in plain.kernels) and plain.search_seconds["refining"] == 0
     # the next run transfers the searched kernel's records (its exact workload): no search again
-    tuned_dir = donors.user_donor_dir() / model.name
+    tuned_dir = donors.tuned_here_dir(model.name, model.layout)
     assert any(json.loads(line).get("task") == k.name for line in (tuned_dir / "trials.jsonl").open())
     again = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir, tuned_dir]),
                              database_dir=tmp_path / "db2", **kw)

@@ -195,6 +195,11 @@ def test_donors_add_and_list(donor_dir, tmp_path, capsys, monkeypatch):
     rows = json.loads(capsys.readouterr().out)
     mine = next(r for r in rows if r["network"] == "mine")
     assert mine["kernels"] == 3 and mine["records"] >= 3
+    # a shipped set's name is refused (the two would share record ids): one line, nothing written
+    shutil.copytree(donor_dir, tmp_path / "home" / "datasets" / "donors" / "shipped_one")
+    assert main(["donors", "add", str(donor_dir), "--name", "shipped_one"]) != 0
+    assert "shipped donor set has that name" in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "donors" / "shipped_one").exists()
 
 
 def test_tile_adaptation_keeps_inner_tiles():

@@ -36,7 +36,7 @@ from .kernels import Kernel, anchor_family, describe
 from .safety import unsafe_annotation
 from .target import host_cpu_model, target_key
 from .util import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, fill_caches, sha256_of
-from .workdir import (MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
+from .workdir import (HERE_PREFIX, MANIFEST_FILE, NATIVE_PREFIX, RECORD_FILE, SET_SEPARATOR, TRIALS_FILE, WORKLOAD_FILE,  # noqa: F401 - NATIVE_PREFIX, SET_SEPARATOR, network_of: the store's names
                       database_files, db_file, is_work_dir, merge_work_dir, network_of, read_build_seconds,
                       read_manifest, records, task_names, workload_lines)
 
@@ -427,8 +427,9 @@ def write_store_manifest(root: Path) -> Path:
 
 def tuned_here_dir(model: str, layout: str = "nchw") -> Path:
     """Where recommend tunes what no donor covers in ``model`` (a folder per layout: a tuning
-    run holds one)."""
-    return user_donor_dir() / (model if layout == "nchw" else f"{model}{SET_SEPARATOR}{layout}")
+    run holds one), named apart from every shipped set (:data:`HERE_PREFIX`)."""
+    name = f"{HERE_PREFIX}{model}"
+    return user_donor_dir() / (name if layout == "nchw" else f"{name}{SET_SEPARATOR}{layout}")
 
 
 def donor_set_dir(root: Path, network: str, layout: str, threads: int, mcpu: str) -> Path:
@@ -590,6 +591,10 @@ def add_work_dir(src: str | Path, name: str | None = None, dest_root: Path | Non
     src = Path(src)
     if not src.is_dir():
         raise StoreError(f"{src}: not a directory")
+    shipped = locations.shipped_donors()
+    if shipped is not None and (shipped / (name or src.name)).exists():
+        # the two folders' records would share ids, and the user's would pass for shipped ones
+        raise StoreError(f"{name or src.name}: a shipped donor set has that name; give another (--name)")
     ws, rep = index_work_dir(src, network=name or src.name)
     if not ws:
         raise StoreError(f"{src}: no usable records ({dict(rep.skipped) or 'empty database'})")

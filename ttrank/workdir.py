@@ -254,6 +254,9 @@ def task_names(work_dir: str | Path) -> dict[str, str]:
 
 # How a work_dir's folder names its network (the store, leave-one-out and the cost model read it)
 NATIVE_PREFIX = "native-"  # native-<mcpu>-<network>: ttrank adapt's native tuning
+# here-<model>: what recommend tuned for a model on this machine. Never a shipped set's name: a
+# user's resnet18.onnx would otherwise share the folder name, and so the record ids, of v1's resnet18
+HERE_PREFIX = "here-"
 # "<network>@<set>": a donor set beside v1 (bench/tune_donors.py --layout/--threads)
 SET_SEPARATOR = "@"
 
@@ -264,4 +267,4 @@ def network_of(work_dir: str | Path) -> str:
     name = Path(work_dir).name.split(SET_SEPARATOR, 1)[0]
     if name.startswith(NATIVE_PREFIX) and name.count("-") >= 2:
         return name[len(NATIVE_PREFIX):].split("-", 1)[1]
-    return name
+    return name.removeprefix(HERE_PREFIX)
