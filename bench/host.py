@@ -241,15 +241,18 @@ def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, de
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
-            runs = res.get(f"{adaptation}_runs") or ([{"seconds": spent, "report": res[adaptation],
-                                                        "command": res.get(f"{adaptation}_command")}]
+            def run_of(report: dict, **kw) -> dict:  # the plan, the same for every run, stays in the last report
+                return {**kw, "report": {k: v for k, v in (report or {}).items() if k not in ("plan", "plan_for")}}
+
+            runs = res.get(f"{adaptation}_runs") or ([run_of(res[adaptation], seconds=spent,
+                                                             command=res.get(f"{adaptation}_command"))]
                                                       if spent else [])
             res[f"{adaptation}_seconds"] = round(spent + time.time() - t0, 1)
             res[f"{adaptation}_budget_minutes"] = args.adapt_minutes
             res[adaptation] = adapted(make_target(), layout)
             res[f"{adaptation}_command"] = " ".join(cmd)
-            res[f"{adaptation}_runs"] = [*runs, {"seconds": round(time.time() - t0, 1), "report": res[adaptation],
-                                                 "command": " ".join(cmd), "commit": head_commit()}]
+            res[f"{adaptation}_runs"] = [*runs, run_of(res[adaptation], seconds=round(time.time() - t0, 1),
+                                                       command=" ".join(cmd), commit=head_commit())]
         if spent:  # the adapted phase measured the shorter adaptation: kept, and measured again
             old_phase = res[adapted_phase]
             res[adapted_phase] = {"networks": {}, "earlier": [*old_phase.pop("earlier", []), old_phase]}
