@@ -109,6 +109,26 @@ def test_rows_of_a_schedule_since_replaced_are_stale(measurements, donor_dir, ti
     assert len(collect.build_dataset([tmp_path], store).groups) == len(collect.build_dataset([measurements], store).groups)
 
 
+def test_rows_follow_their_schedule_to_its_new_rank(measurements, donor_dir, tmp_path):
+    """A donor set that gains better records (an adaptation merged into it) renumbers its
+    records by rank: a row measured under the old rank still trains, on the record it measured."""
+    store = donors.DonorStore.load([donor_dir])
+    rec_of = store.by_record_id()
+    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
+    moved = 0
+    for r in rows:  # each measured record as if it had moved one rank down: its id names another
+        w, rec = rec_of.get(r["record"], (None, None))
+        if rec is not None and len(w.records) > rec.rank + 1:
+            r["record"], moved = w.records[rec.rank + 1].id, moved + 1
+    assert moved
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "tiny_cnn.json").write_text((measurements / "kernels" / "tiny_cnn.json").read_text())
+    (tmp_path / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before, after = collect.build_dataset([measurements], store), collect.build_dataset([tmp_path], store)
+    assert after.groups == before.groups and np.array_equal(after.X, before.X) and np.array_equal(after.y, before.y)
+    assert [m["record"] for m in after.meta] == [m["record"] for m in before.meta]
+
+
 def test_paper_baseline_rows_are_kept_apart(measurements, donor_dir):
     rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
     paper = [r for r in rows if r.get("pool") == "paper"]

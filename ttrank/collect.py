@@ -344,7 +344,8 @@ class Dataset:
 def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Dataset:
     """Rows of every measurement table in ``dirs``, grouped by target kernel, with features.
 
-    A row whose donor record is no longer in the store is dropped (its features need it).
+    A row whose schedule is no longer among the store's records is dropped (its features need
+    it); one whose record changed rank follows it (:meth:`ttrank.donors.DonorStore.measured`).
     """
     cpus: dict[str, dict] = {}
 
@@ -369,11 +370,14 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
                 if row.get("record") == UNTUNED or row["workload"] not in kernels \
                         or (row.get("adapt") or "ttrank") != "ttrank" or measurements.disturbed(row):
                     continue
+                hit = store.measured(row, rec_of)
+                if hit is None:
+                    continue
                 cpu = machine_of(row.get("provenance") or {})
+                row = {**row, "record": hit[1].id}
                 by_kernel.setdefault((row["workload"], cpu), {})[row["record"]] = row  # last wins
             for (wh, _cpu), rows in by_kernel.items():
-                usable = [r for r in rows.values() if r["record"] in rec_of
-                          and is_current(r, rec_of[r["record"]][1])]
+                usable = list(rows.values())
                 if len(usable) < min_group:
                     continue
                 k = kernels[wh]
