@@ -356,7 +356,6 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
             cpus[key] = cpu_description(prov)
         return cpus[key]
 
-    rec_of = store.by_record_id()
     X, y, groups, meta = [], [], [], []
     for d in dirs:
         for table in sorted(Path(d).glob("*.jsonl")):
@@ -364,32 +363,31 @@ def build_dataset(dirs: list[Path], store: DonorStore, min_group: int = 2) -> Da
             if not kfile.exists():
                 continue
             kernels = kernels_of(kfile)
-            # one group per kernel and CPU: latencies from different CPUs never share a ranking
-            by_kernel: dict[tuple[str, tuple], dict[str, dict]] = {}
+            # one group per kernel and CPU: latencies from different CPUs never share a ranking;
+            # each row with the workload and record it measured
+            by_kernel: dict[tuple[str, tuple], dict[str, tuple[dict, tuple]]] = {}
             for row in read_jsonl(table):
                 if row.get("record") == UNTUNED or row["workload"] not in kernels \
                         or (row.get("adapt") or "ttrank") != "ttrank" or measurements.disturbed(row):
                     continue
-                hit = store.measured(row, rec_of)
+                hit = store.measured(row)
                 if hit is None:
                     continue
                 cpu = machine_of(row.get("provenance") or {})
-                row = {**row, "record": hit[1].id}
-                by_kernel.setdefault((row["workload"], cpu), {})[row["record"]] = row  # last wins
+                by_kernel.setdefault((row["workload"], cpu), {})[hit[1].id] = (row, hit)  # last wins
             for (wh, _cpu), rows in by_kernel.items():
                 usable = list(rows.values())
                 if len(usable) < min_group:
                     continue
                 k = kernels[wh]
-                lat = [r["latency_s"] if r["status"] == "ok" else None for r in usable]
+                lat = [r["latency_s"] if r["status"] == "ok" else None for r, _ in usable]
                 if not any(lat):
                     continue
                 rel = relevance(lat)
-                for r, rv in zip(usable, rel):
-                    w, rec = rec_of[r["record"]]
+                for (r, (w, rec)), rv in zip(usable, rel):
                     X.append(vector(store.pair_features(k, w, rec, cpu=cpu_of(r.get("provenance") or {}))))
                     y.append(rv)
-                    meta.append({"network": r["network"], "workload": wh, "record": r["record"],
+                    meta.append({"network": r["network"], "workload": wh, "record": rec.id,
                                  "latency_s": r["latency_s"], "status": r["status"],
                                  "weight": k.weight,
                                  "donor_network": r.get("donor_network"),

@@ -257,7 +257,9 @@ class DonorStore:
         # per record id, for ranking: (parsed trace, d_ and s_ row, its tiles hashable)
         self._donor_rows: dict[str, tuple] = {}
         self._build_seconds: dict[str, float] | None = None
-        # (workload key, trace hash) -> record id, for rows whose record changed rank (:meth:`measured`)
+        # what a measurement row names, indexed on first use (:meth:`measured`): records by id, and
+        # by (workload key, trace hash) for rows whose record changed rank
+        self._by_id: dict[str, tuple[DonorWorkload, DonorRecord]] | None = None
         self._by_trace: dict[tuple[str, str], str] | None = None
         for w in workloads:
             self._by_anchor[w.kernel.anchor_op].append(w)
@@ -324,24 +326,25 @@ class DonorStore:
         """Every record by its id, with its workload (a measurement row names its record by id)."""
         return {r.id: (w, r) for w in self.workloads for r in w.records}
 
-    def measured(self, row: dict, by_id: dict[str, tuple[DonorWorkload, DonorRecord]]
-                 ) -> tuple[DonorWorkload, DonorRecord] | None:
-        """The workload and record a measurement ``row`` measured, as the store holds them now
-        (``by_id``: :meth:`by_record_id`), or None. A row names its record by rank, and a set
-        that gains better records (a published adaptation merged into it) ranks its old ones
-        lower: the row follows its schedule (its ``record_hash``) to the new rank, where the
-        store still keeps it: one publish of znver3's adaptation had made 382 rows of four other
-        CPUs stale, and 247 of them follow their schedules (the rest fell out of the kept top-k)."""
-        hit = by_id.get(row["record"])
+    def measured(self, row: dict) -> tuple[DonorWorkload, DonorRecord] | None:
+        """The workload and record a measurement ``row`` measured, as the store holds them now,
+        or None. A row names its record by rank, and a set that gains better records (a
+        published adaptation merged into it) ranks its old ones lower: the row follows its
+        schedule (its ``record_hash``) to the new rank, where the store still keeps it: one
+        publish of znver3's adaptation had made 382 rows of four other CPUs stale, and 247 of
+        them follow their schedules (the rest fell out of the kept top-k)."""
+        if self._by_id is None:
+            self._by_id = self.by_record_id()
+        hit = self._by_id.get(row["record"])
         h = row.get("record_hash")
         if hit is not None and (h is None or hit[1].trace_hash == h):
             return hit
         if h is None:
             return None
         if self._by_trace is None:
-            self._by_trace = {(r.workload_key, r.trace_hash): r.id for w in self.workloads for r in w.records}
+            self._by_trace = {(r.workload_key, r.trace_hash): r.id for r in self.records()}
         rid = self._by_trace.get((str(row["record"]).rsplit("/", 1)[0], h))
-        return by_id.get(rid) if rid is not None else None
+        return self._by_id.get(rid) if rid is not None else None
 
     def by_class(self, workload_class: str) -> list[DonorWorkload]:
         return list(self._by_class.get(workload_class, []))

@@ -900,8 +900,10 @@ def _tuned_before(kernels: list[Kernel], store: DonorStore, exclude_networks: se
                   users_only: bool = False) -> set[str]:
     """The kernels some donor was tuned on (the model's own earlier run, say): not tuned again.
     ``users_only``: only the donors of the user's own store (their searches, ``adapt``'s)."""
-    mine = ({p.name for p in user_donor_dir().iterdir()} if user_donor_dir().is_dir() else set()
-            ) if users_only else None
+    mine = None
+    if users_only:  # the user's folders never take a shipped set's name (donors.tuned_here_dir)
+        root = user_donor_dir()
+        mine = {p.name for p in root.iterdir()} if root.is_dir() else set()
     hashes = {w.kernel.workload_hash for w in store.workloads if w.network not in exclude_networks
               and (mine is None or (w.source or w.network) in mine)}
     return {k.name for k in kernels if k.workload_hash in hashes}
