@@ -29,7 +29,9 @@ an earlier run is still a CPU the data has never seen. What was left out is in `
 
 ``--layout L`` runs the recommends with ``--layout L`` and adapts in the packed layout (for
 ``nchwc`` and ``auto``); its phases are kept beside the NCHW ones, as ``shipped@L``,
-``adapted@L`` and ``adaptation@L``, with caches of their own. A rerun given a larger ``--adapt-minutes`` than the recorded adaptation continues it (``ttrank
+``adapted@L`` and ``adaptation@L``, with caches of their own.
+
+A rerun given a larger ``--adapt-minutes`` than the recorded adaptation continues it (``ttrank
 adapt`` resumes its plan) with the minutes left, adds its wall time to the adaptation's, and
 measures the adapted phase again (the earlier one kept under its ``earlier`` list).
 
@@ -101,6 +103,12 @@ def one(net: str, layout: str = "nchw", phase: str = "", leave_one_out: bool = T
             "command": " ".join(cmd[:4]) + " ...", "commit": head_commit(), "provenance": provenance(),
             **({} if leave_one_out else {"own_kernels_chosen": sum(
                 (k.get("chosen") or {}).get("donor_network") == net for k in report["kernels"])})}
+
+
+def run_of(report: dict | None, **kw) -> dict:
+    """One sitting of an adaptation, for its ``_runs`` list: the plan, the same for every
+    sitting, stays in the last report only."""
+    return {**kw, "report": {k: v for k, v in (report or {}).items() if k not in ("plan", "plan_for")}}
 
 
 def summary(phase: dict) -> dict:
@@ -241,9 +249,6 @@ def run(args: argparse.Namespace, res: dict, tag: str, mcpu: str, work: Path, de
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
-            def run_of(report: dict, **kw) -> dict:  # the plan, the same for every run, stays in the last report
-                return {**kw, "report": {k: v for k, v in (report or {}).items() if k not in ("plan", "plan_for")}}
-
             runs = res.get(f"{adaptation}_runs") or ([run_of(res[adaptation], seconds=spent,
                                                              command=res.get(f"{adaptation}_command"))]
                                                       if spent else [])
