@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,12 +122,36 @@ def test_rows_follow_their_schedule_to_its_new_rank(measurements, donor_dir, tmp
         if rec is not None and len(w.records) > rec.rank + 1:
             r["record"], moved = w.records[rec.rank + 1].id, moved + 1
     assert moved
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "tiny_cnn.json").write_text((measurements / "kernels" / "tiny_cnn.json").read_text())
-    (tmp_path / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    before, after = collect.build_dataset([measurements], store), collect.build_dataset([tmp_path], store)
+    before, after = collect.build_dataset([measurements], store), collect.build_dataset(
+        [_measurements_of(rows, measurements, tmp_path)], store)
     assert after.groups == before.groups and np.array_equal(after.X, before.X) and np.array_equal(after.y, before.y)
     assert [m["record"] for m in after.meta] == [m["record"] for m in before.meta]
+
+
+def test_rows_follow_their_schedule_into_the_set_it_was_published_as(measurements, donor_dir, tmp_path):
+    """``ttrank adapt`` measures its native records (``native-MCPU-NET@LAYOUT/...``), which are
+    published later as a set of another name: such a row still trains, on the same schedule of
+    the same workload in a set of its donor network, and never on another network's."""
+    store = donors.DonorStore.load([donor_dir])
+    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r.get("record_hash"):
+            name, workload, rank = r["record"].split("/")
+            r["record"] = f"native-znver3-{name}@nchwc/{workload}/{rank}"
+    before = collect.build_dataset([measurements], store)
+    after = collect.build_dataset([_measurements_of(rows, measurements, tmp_path / "native")], store)
+    assert after.groups == before.groups and np.array_equal(after.X, before.X) and np.array_equal(after.y, before.y)
+    for r in rows:
+        r["donor_network"] = "another_network"
+    assert len(collect.build_dataset([_measurements_of(rows, measurements, tmp_path / "other")], store).y) == 0
+
+
+def _measurements_of(rows: list[dict], like: Path, out: Path) -> Path:
+    """A measurements dir of ``rows`` (tiny_cnn's) beside ``like``'s kernel table."""
+    (out / "kernels").mkdir(parents=True)
+    (out / "kernels" / "tiny_cnn.json").write_text((like / "kernels" / "tiny_cnn.json").read_text())
+    (out / "tiny_cnn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
 
 
 def test_paper_baseline_rows_are_kept_apart(measurements, donor_dir):

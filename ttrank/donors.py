@@ -258,9 +258,10 @@ class DonorStore:
         self._donor_rows: dict[str, tuple] = {}
         self._build_seconds: dict[str, float] | None = None
         # what a measurement row names, indexed on first use (:meth:`measured`): records by id, and
-        # by (workload key, trace hash) for rows whose record changed rank
+        # by (workload key, trace hash) for rows whose record changed rank, and by (donor network,
+        # workload hash, trace hash) for rows whose record moved to another set
         self._by_id: dict[str, tuple[DonorWorkload, DonorRecord]] | None = None
-        self._by_trace: dict[tuple[str, str], str] | None = None
+        self._by_trace: dict[tuple, str] | None = None
         for w in workloads:
             self._by_anchor[w.kernel.anchor_op].append(w)
             self._by_class[w.kernel.workload_class].append(w)
@@ -332,7 +333,10 @@ class DonorStore:
         published adaptation merged into it) ranks its old ones lower: the row follows its
         schedule (its ``record_hash``) to the new rank, where the store still keeps it: one
         publish of znver3's adaptation had made 382 rows of four other CPUs stale, and 247 of
-        them follow their schedules (the rest fell out of the kept top-k)."""
+        them follow their schedules (the rest fell out of the kept top-k). A row that names
+        another set (an adaptation's ``native-MCPU-NET`` records, published since as
+        ``NET@LAYOUT-tN-MCPU``) follows its schedule of the same workload into a set of the same
+        donor network."""
         if self._by_id is None:
             self._by_id = self.by_record_id()
         hit = self._by_id.get(row["record"])
@@ -342,8 +346,15 @@ class DonorStore:
         if h is None:
             return None
         if self._by_trace is None:
-            self._by_trace = {(r.workload_key, r.trace_hash): r.id for r in self.records()}
-        rid = self._by_trace.get((str(row["record"]).rsplit("/", 1)[0], h))
+            self._by_trace = {}
+            for r in sorted(self.records(), key=lambda r: r.id):
+                self._by_trace.setdefault((r.workload_key, r.trace_hash), r.id)
+                # the same schedule of the same workload in any set of the same donor network
+                self._by_trace.setdefault((r.network, r.workload_key.rsplit("/", 1)[-1], r.trace_hash), r.id)
+        key = str(row["record"]).rsplit("/", 1)[0]
+        rid = self._by_trace.get((key, h))
+        if rid is None and row.get("donor_network"):
+            rid = self._by_trace.get((row["donor_network"], key.rsplit("/", 1)[-1], h))
         return self._by_id.get(rid) if rid is not None else None
 
     def by_class(self, workload_class: str) -> list[DonorWorkload]:
