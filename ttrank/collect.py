@@ -28,7 +28,7 @@ from .donors import DonorRecord, DonorStore, DonorWorkload
 from .errors import TTRankError
 from .features import FEATURE_NAMES, vector
 from .kernels import Kernel, model_kernels
-from .measurements import (UNTUNED, compact_provenance, is_current, kernels_of, machine_of, same_cpu,
+from .measurements import (UNTUNED, compact_provenance, kernels_of, machine_of, same_cpu,
                            write_kernels)
 from .measurements import key as measurement_key
 from .ranker import Ranker, relevance
@@ -175,9 +175,8 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
         prov["runner"] = spec.protocol()
     # rows measured on another CPU (or thread count) do not count as done: this one gets its own;
     # nor do rows measured while other work kept the machine busy
-    rec_of = {r.id: r for r in store.records()}
-    mine = [r for r in load_rows(table) if same_cpu(r, prov) and is_current(r, rec_of.get(r["record"]))
-            and not measurements.disturbed(r)]
+    mine = [r for r in map(lambda r: _as_stored(r, store), load_rows(table))
+            if r is not None and same_cpu(r, prov) and not measurements.disturbed(r)]
     done = {measurement_key(r) for r in mine}
     untuned = {r["workload"]: r["latency_s"] for r in mine if r["record"] == UNTUNED}
     stats = CollectStats(network, len(kernels))
@@ -256,16 +255,29 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
     return stats
 
 
+def _as_stored(r: dict, store: DonorStore) -> dict | None:
+    """A measurement row under the id its schedule has in ``store`` now
+    (:meth:`DonorStore.measured`), or None where the store keeps that schedule no longer; an
+    untuned row as it is."""
+    if r.get("record") == UNTUNED:
+        return r
+    hit = store.measured(r)
+    return None if hit is None else {**r, "record": hit[1].id}
+
+
 def _fastest_per_record(network: str, hashes: set[str], out_dir: str | Path, target,
-                        keep: Callable[[dict], bool]) -> dict[str, dict[str, float]]:
+                        record_of: Callable[[dict], str | None]) -> dict[str, dict[str, float]]:
     """Rows of ``network``'s table in ``out_dir`` measured on this machine, of the kernels
-    ``hashes``, that ``keep`` keeps: workload hash -> {record: its fastest latency_s}."""
+    ``hashes``, each filed under ``record_of(row)`` (None: not counted): workload hash ->
+    {record: its fastest latency_s}."""
     prov = compact_provenance(provenance(target))
     out: dict[str, dict[str, float]] = {}
     for r in load_rows(Path(out_dir) / f"{network}.jsonl"):
-        if r.get("status") == "ok" and r.get("workload") in hashes and same_cpu(r, prov) and keep(r):
-            best = out.setdefault(r["workload"], {})
-            best[r["record"]] = min(best.get(r["record"], math.inf), float(r["latency_s"]))
+        if r.get("status") == "ok" and r.get("workload") in hashes and same_cpu(r, prov):
+            rid = record_of(r)
+            if rid is not None:
+                best = out.setdefault(r["workload"], {})
+                best[rid] = min(best.get(rid, math.inf), float(r["latency_s"]))
     return out
 
 
@@ -273,8 +285,8 @@ def fastest_transferred(network: str, hashes: set[str], out_dir: str | Path, tar
     """Each kernel's (workload hash) fastest donor schedule measured on this CPU, in seconds:
     rows of ``network``'s table in ``out_dir``, other than its untuned code and this CPU's own
     native records (what the native search is measured against)."""
-    rows = _fastest_per_record(network, hashes, out_dir, target, lambda r: r["record"] != UNTUNED
-                               and not str(r["record"]).startswith(NATIVE_PREFIX))
+    rows = _fastest_per_record(network, hashes, out_dir, target, lambda r: None if (
+        r["record"] == UNTUNED or str(r["record"]).startswith(NATIVE_PREFIX)) else r["record"])
     return {h: min(best.values()) for h, best in rows.items()}
 
 
@@ -286,9 +298,13 @@ def best_measured(network: str, kernels: list[Kernel], store: DonorStore, out_di
     again (those ``keep`` keeps): workload hash -> [(candidate, latency_s)], fastest first."""
     rec_of = {r.id: r for r in store.records()}
     wanted = {k.workload_hash: k for k in kernels}
-    rows = _fastest_per_record(network, set(wanted), out_dir, target, lambda r: (
-        r.get("record") in rec_of and not str(r.get("pool", "")).startswith("paper")
-        and is_current(r, rec_of[r["record"]])))
+
+    def stored_id(r: dict) -> str | None:  # the paper baseline's rows are TVM's transfers, not ttrank's
+        if r["record"] == UNTUNED or str(r.get("pool", "")).startswith("paper"):
+            return None
+        return (_as_stored(r, store) or {}).get("record")
+
+    rows = _fastest_per_record(network, set(wanted), out_dir, target, stored_id)
     wl_of = {r.id: w for w in store.workloads for r in w.records}
     out: dict[str, list[tuple[Transferred, float]]] = {}
     for h, best in rows.items():
