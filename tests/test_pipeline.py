@@ -133,17 +133,32 @@ def test_rows_follow_their_schedule_into_the_set_it_was_published_as(measurement
     published later as a set of another name: such a row still trains, on the same schedule of
     the same workload in a set of its donor network, and never on another network's."""
     store = donors.DonorStore.load([donor_dir])
-    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
-    for r in rows:
-        if r.get("record_hash"):
-            name, workload, rank = r["record"].split("/")
-            r["record"] = f"native-znver3-{name}@nchwc/{workload}/{rank}"
+    rows = _named_as_adapt_names_them(measurements)
     before = collect.build_dataset([measurements], store)
     after = collect.build_dataset([_measurements_of(rows, measurements, tmp_path / "native")], store)
     assert after.groups == before.groups and np.array_equal(after.X, before.X) and np.array_equal(after.y, before.y)
     for r in rows:
         r["donor_network"] = "another_network"
     assert len(collect.build_dataset([_measurements_of(rows, measurements, tmp_path / "other")], store).y) == 0
+
+
+def test_collect_does_not_measure_again_what_an_adaptation_measured_before_publishing(
+        measurements, donor_dir, tiny_cnn, target, tmp_path):
+    """Rows naming their records as ``ttrank adapt`` did (``native-MCPU-NET@LAYOUT/...``) count
+    as measured once those records are published under another set name."""
+    rows = _named_as_adapt_names_them(measurements)
+    stats = _collect_tiny_cnn(donor_dir, tiny_cnn, target, _measurements_of(rows, measurements, tmp_path))
+    assert stats.measured == 0 and stats.skipped_existing > 0
+
+
+def _named_as_adapt_names_them(measurements: Path) -> list[dict]:
+    """tiny_cnn's rows, each measured record named as an adaptation's native set names it."""
+    rows = [json.loads(l) for l in (measurements / "tiny_cnn.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r.get("record_hash"):
+            name, workload, rank = r["record"].split("/")
+            r["record"] = f"native-znver3-{name}@nchwc/{workload}/{rank}"
+    return rows
 
 
 def _measurements_of(rows: list[dict], like: Path, out: Path) -> Path:

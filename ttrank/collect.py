@@ -175,8 +175,8 @@ def collect(network: str, model, store: DonorStore, out_dir: str | Path, target,
         prov["runner"] = spec.protocol()
     # rows measured on another CPU (or thread count) do not count as done: this one gets its own;
     # nor do rows measured while other work kept the machine busy
-    mine = [r for r in map(lambda r: _as_stored(r, store), load_rows(table))
-            if r is not None and same_cpu(r, prov) and not measurements.disturbed(r)]
+    stored = (_as_stored(r, store) for r in load_rows(table))
+    mine = [r for r in stored if r is not None and same_cpu(r, prov) and not measurements.disturbed(r)]
     done = {measurement_key(r) for r in mine}
     untuned = {r["workload"]: r["latency_s"] for r in mine if r["record"] == UNTUNED}
     stats = CollectStats(network, len(kernels))
