@@ -1,20 +1,22 @@
 """What moves the ranker's per-CPU scores: each lever against the shipped settings, over seeds.
 
-    python bench/ranker_levers.py [--seeds 3] [--programs]
+    python bench/ranker_levers.py [--seeds 3] [--programs] [--only LEVER ...]
 
 Leave one network out, pooled over every CPU's rows (how the shipped ranker is trained), scored
 on each CPU's rows (:func:`ttrank.evaluate.by_cpu`), and leave one CPU out; each lever over
 ``--seeds`` seeds (mean, min and max), because one seed's split of rows and columns moves a CPU's
 score by a few points. Levers: deeper or more trees, the ranking objectives, features relative
 to the kernel's other candidates, the donor record's measured record on the nearest workload it
-was measured on (a memory of the training rows), bagging five seeds, and (``--programs``, about
-40 minutes of transfers on a cold cache) MetaSchedule's program features of the transferred
-candidate as ranker features. Writes bench/results/ranker_levers.json and .md.
+was measured on (a memory of the training rows), bagging three or five seeds (alone, deeper, or
+with the NDCG objective), and (``--programs``, about 40 minutes of transfers on a cold cache)
+MetaSchedule's program features of the transferred candidate as ranker features. ``--only``
+runs some levers beside the shipped settings. Writes bench/results/ranker_levers.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -139,6 +141,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--programs", action="store_true", help="also the program-features lever (transfers)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="LEVER",
+                    help="only the levers whose names start so (the shipped settings always run)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -179,6 +183,14 @@ def main() -> None:
             Ranker(**{**base, "seed": s}), RecordMemory(shape, meta["record"], meta["mcpu"], meta["network"]), w)),
         "3 seeds bagged (subsample 0.8, columns 0.5)": (ds, lambda s: Bagged(lambda k: Ranker(**{
             **base, "seed": 3 * s + k, "subsample": 0.8, "colsample_bytree": 0.5}), 3)),
+        "5 seeds bagged, depth 8 (subsample 0.8, columns 0.5)": (ds, lambda s: Bagged(lambda k: Ranker(**{
+            **base, "seed": 5 * s + k, "subsample": 0.8, "colsample_bytree": 0.5, "max_depth": 8}), 5)),
+        "5 trees per round, depth 8 (subsample 0.8, columns 0.5)": (ds, lambda s: Ranker(**{
+            **base, "seed": s, "subsample": 0.8, "colsample_bytree": 0.5, "max_depth": 8, "parallel_trees": 5})),
+        "3 trees per round, depth 8 (subsample 0.8, columns 0.5)": (ds, lambda s: Ranker(**{
+            **base, "seed": s, "subsample": 0.8, "colsample_bytree": 0.5, "max_depth": 8, "parallel_trees": 3})),
+        "5 seeds bagged, rank:ndcg (subsample 0.8, columns 0.5)": (ds, lambda s: Bagged(lambda k: Ranker(**{
+            **base, "seed": 5 * s + k, "subsample": 0.8, "colsample_bytree": 0.5, "objective": "rank:ndcg"}), 5)),
     }
     if args.programs:
         from ttrank.programs import candidate_vectors
@@ -188,6 +200,9 @@ def main() -> None:
         levers["program features of the transferred candidate"] = (dsx, lambda s: Extra(
             Ranker(**{**base, "seed": s}), Columns(P), w))
 
+    if args.only:
+        levers = {k: v for k, v in levers.items()
+                  if k == "shipped settings" or any(k.startswith(o) for o in args.only)}
     out: dict = {"rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "seeds": args.seeds,
                  "shipped": base, "levers": {}, "provenance": provenance()}
     cpus = None
@@ -213,7 +228,7 @@ def main() -> None:
 
     lines = ["# Ranker levers, per CPU", "",
              f"{out['rows']} measured candidates in {out['kernel_groups']} kernel groups. Written by "
-             f"`python bench/ranker_levers.py{' --programs' if args.programs else ''}`. Leave one network out "
+             f"`{' '.join(['python bench/ranker_levers.py', *sys.argv[1:]])}`. Leave one network out "
              f"pooled over every CPU's rows, scored on each CPU's rows; mean over {args.seeds} seeds "
              "(min–max). A rejected transfer is no pick (recommend takes the next candidate). Targets: "
              "top-1 >= 0.90 and top-3 >= 0.97 on every CPU, leave one CPU out top-3 >= 0.93.", ""]

@@ -232,12 +232,14 @@ def calibrate_policy(ds: Dataset, scores: np.ndarray, top_k: int, full_share: fl
 
 
 def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: dict) -> dict:
-    """:func:`train` with ``like``'s settings (its trees too): no evaluation, the same second stage.
-    One exception: rows of CPUs of different vector classes (AVX2 and AVX-512) are learned with
-    the CPU features (``c``). Without them the classes' labels contradict each other: with
-    znver1's 353 AVX2 rows added, emeraldrapids' pooled leave-one-out top-1 fell from 0.832 to
-    0.756 without them, and was 0.840 with them."""
-    params = like.get_params()
+    """:func:`train` with the configuration the evaluation chose for ``like`` (objective, feature
+    groups, number of trees): no evaluation, the same second stage. The trees' other settings
+    are :class:`Ranker`'s defaults, as :func:`train` uses them (bench/ranker_levers.py measures
+    them). One exception: rows of CPUs of different vector classes (AVX2 and AVX-512) are
+    learned with the CPU features (``c``). Without them the classes' labels contradict each
+    other: with znver1's 353 AVX2 rows added, emeraldrapids' pooled leave-one-out top-1 fell
+    from 0.832 to 0.756 without them, and was 0.840 with them."""
+    params = {k: v for k, v in like.get_params().items() if k in ("objective", "feature_groups", "n_estimators")}
     if "c" not in params["feature_groups"] and len(data_vector_classes(ds)) > 1:
         params["feature_groups"] = (*params["feature_groups"], "c")
     # which ranker it copied, by content (its path is one machine's)
