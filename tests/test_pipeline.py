@@ -189,6 +189,17 @@ def test_top_k_default_comes_from_the_evaluation():
     assert choose_top_k({}) == 3
 
 
+def test_a_ranker_file_from_before_parallel_trees_loads_with_one_tree_per_round(trained, tmp_path):
+    """A refit without a network (``--leave-one-out``) copies the loaded ranker's parameters: a
+    file written before a parameter existed reads as what it was fitted with, not today's default."""
+    meta = json.loads(meta_path(trained).read_text())
+    del meta["params"]["parallel_trees"]
+    shutil.copy(trained, tmp_path / "old.json")
+    meta_path(tmp_path / "old.json").write_text(json.dumps(meta))
+    assert Ranker.load(tmp_path / "old.json").parallel_trees == 1
+    assert Ranker.load(trained).parallel_trees == Ranker().parallel_trees
+
+
 def test_ranker_save_load_refuses_other_schema(trained, tmp_path):
     r = Ranker.load(trained)
     assert r.metadata["feature_version"] == FEATURE_VERSION and r.metadata["note"] == "test"

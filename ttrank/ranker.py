@@ -41,6 +41,8 @@ class BoosterModel:
     saved as the booster's JSON beside a ``.meta.json``."""
 
     booster: Any = None
+    # parameters added since files were first written: what a file without them was fitted with
+    ABSENT_MEANS: dict[str, Any] = {}
 
     def get_params(self) -> dict[str, Any]:
         names = list(inspect.signature(type(self).__init__).parameters)[1:]
@@ -57,7 +59,8 @@ class BoosterModel:
         """The model in ``path`` (see :func:`read_booster`), made with its saved parameters."""
         booster, meta = read_booster(path, what, hint, check)
         try:
-            m = cls(**{k: v for k, v in meta.get("params", {}).items() if k in cls().get_params()})
+            params = {**cls.ABSENT_MEANS, **meta.get("params", {})}
+            m = cls(**{k: v for k, v in params.items() if k in cls().get_params()})
         except (TypeError, ValueError) as e:
             raise RankerError(f"{meta_path(path)}: unusable parameters ({e})") from None
         m.booster, m.metadata = booster, meta
@@ -69,6 +72,8 @@ class Ranker(BoosterModel):
 
     Labels are per-group relevances (:func:`relevance`); groups are target kernels.
     """
+
+    ABSENT_MEANS = {"parallel_trees": 1}
 
     # the tree settings: bench/ranker_levers.py's best on 22,669 rows of 7 CPUs (each CPU's
     # leave-one-network-out top-1 +0.01 to +0.03 over depth 6, one tree per round, 0.9/0.9)
