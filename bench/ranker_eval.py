@@ -1,7 +1,7 @@
 """Leave-one-network-out evaluation of the ranker against baselines, on the committed data.
 
     python bench/ranker_eval.py [--trees 300] [--out DIR]
-    python bench/ranker_eval.py --cpus-only    # minutes: per CPU and leave one CPU out alone
+    python bench/ranker_eval.py --cpus-only [--programs]   # per CPU and leave one CPU out alone
 
 Writes bench/results/ranker_eval.json (raw numbers; `average` holds top1/top3/top5/ndcg5 for
 ttrank, `baselines` the same keys per baseline), ranker_eval.md (table) and ranker_eval.png.
@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="where the report goes (default: bench/results; a scratch dir for a look at "
                          "partial data)")
+    ap.add_argument("--programs", action="store_true",
+                    help="with --cpus-only: also the second stage's blends per CPU (the program "
+                         "features of every candidate: half an hour on 2 cores the first time)")
     ap.add_argument("--cpus-only", action="store_true",
                     help="only the CPU evaluation (each CPU's leave-one-network-out and leave one "
                          "CPU out) of the shipped ranker's settings with and without the CPU "
@@ -212,13 +215,15 @@ def cpus_only(args) -> None:
     from ttrank.bench import results_dir
     from ttrank.collect import build_dataset
     from ttrank.donors import DonorStore, shipped_work_dirs
-    from ttrank.evaluate import leave_one_cpu_out, per_cpu, repeat_agreement
+    from ttrank.evaluate import by_cpu, group_spans, leave_one_cpu_out, leave_one_network_out, per_cpu, \
+        repeat_agreement
     from ttrank.locations import shipped_measurements
     from ttrank.ranker import Ranker
     from ttrank.target import provenance
     from ttrank.util import atomic_write_json, atomic_write_text
 
-    ds = build_dataset([shipped_measurements(required=True)], DonorStore.load(shipped_work_dirs()))
+    store = DonorStore.load(shipped_work_dirs())
+    ds = build_dataset([shipped_measurements(required=True)], store)
     base = {k: v for k, v in Ranker.load().get_params().items() if k not in ("n_estimators", "feature_groups")}
     groups = tuple(g for g in Ranker.load().feature_groups if g != "c")
     out: dict = {"rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "settings": base,
@@ -232,13 +237,15 @@ def cpus_only(args) -> None:
              "| features | CPU | rows | own top-1 | own top-3 | pooled top-1 | pooled top-3 | "
              "leave-one-CPU-out top-1 | top-3 |",
              "|---|---|---|---|---|---|---|---|---|"]
+    pooled: dict = {}
     for fg in (groups, (*groups, "c")):
         label = "+".join(fg)
 
         def make(fg=fg):
             return Ranker(n_estimators=args.trees, feature_groups=fg, **base)
 
-        res = {"per_cpu": per_cpu(ds, make), "per_cpu_pooled": per_cpu(ds, make, pooled=True),
+        pooled = leave_one_network_out(ds, make)  # the last one's: the shipped feature groups
+        res = {"per_cpu": per_cpu(ds, make), "per_cpu_pooled": by_cpu(ds, pooled["scores"], pooled["held"]),
                "leave_one_cpu_out": leave_one_cpu_out(ds, make)}
         out["configs"][label] = res
         lo = res["leave_one_cpu_out"]
@@ -247,6 +254,27 @@ def cpus_only(args) -> None:
             lines.append(f"| {label} | {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
                          f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | "
                          f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+    if args.programs:
+        # what the second stage would make of the pooled ranker's order, per CPU: recommend picks
+        # by the ranker alone where the evaluation leaves the donors' shortlist as it is
+        from ttrank.programs import loo_cost_scores, rerank_spans
+        from ttrank.target import make_target
+        from ttrank.training import STAGE2_SHORTLISTS, STAGE2_WEIGHTS
+
+        cost = loo_cost_scores(ds, store, make_target(None), [Path(r.work_dir) for r in store.reports])
+        blends = {"ranker alone": pooled["scores"]}
+        blends.update({f"weight {w}, top {n}": rerank_spans(group_spans(ds), pooled["scores"], cost, w, n)
+                       for n in STAGE2_SHORTLISTS for w in STAGE2_WEIGHTS})
+        out["stage2_per_cpu"] = {name: {c: v["average"] for c, v in by_cpu(ds, sc, pooled["held"]).items()}
+                                 for name, sc in blends.items()}
+        cpus = list(out["stage2_per_cpu"]["ranker alone"])
+        lines += ["", "**The second stage per CPU.** The pooled ranker's order (the shipped features), each "
+                  "kernel's top n reordered by the blend of its score and the program cost model's (weight on "
+                  "the ranker's z-score; the cost model never saw the held-out network's tuning logs). "
+                  "top-1 / top-3:", "", "| order | " + " | ".join(cpus) + " |", "|---|" + "---|" * len(cpus)]
+        for name, per in out["stage2_per_cpu"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{_fmt(per[c].get('top1'))} / {_fmt(per[c].get('top3'))}"
+                                                    for c in cpus) + " |")
     out["repeat_agreement"] = repeat = repeat_agreement(ds)
     lines += ["", "**How well the labels repeat.** A ranker learns from one measurement of each candidate and is "
               "scored on that measurement. Where two networks share a workload, a CPU's table measured the "

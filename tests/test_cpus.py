@@ -129,7 +129,7 @@ def _two_cpu_dataset(n_groups: int = 40, size: int = 6) -> Dataset:
             x[col["a_vec_extent"]] = vec
             x[col["c_vector_bits"]], x[col["c_amd"]] = bits, amd
             x[col["c_vec_lanes"]] = vec - math.log2(bits / 32)
-            lat = 1e-3 * (1 + abs(x[col["c_vec_lanes"]]) + 0.1 * rng.random())
+            lat = float(1e-3 * (1 + abs(x[col["c_vec_lanes"]]) + 0.1 * rng.random()))
             X.append(x)
             meta.append({"network": f"net{g % 5}", "workload": f"w{g}", "latency_s": lat, "weight": 1,
                          "mcpu": "znver4" if amd else "emeraldrapids"})
@@ -320,3 +320,20 @@ def test_a_cpu_held_out_of_the_shipped_data_is_one_it_has_never_seen(tmp_path):
     stamp = (held.home / "models" / "ranker.json").stat().st_mtime_ns
     assert hold_out_cpu(mcpu, tmp_path / "home").fingerprint == held.fingerprint
     assert (held.home / "models" / "ranker.json").stat().st_mtime_ns == stamp
+
+
+def test_an_evaluated_refit_copies_the_configuration_and_chooses_the_rest_again(tmp_path):
+    from ttrank.training import train
+
+    ds = _two_cpu_dataset()
+    like = Ranker(objective="reg:squarederror", n_estimators=20, feature_groups=("t", "d", "s", "a", "r", "c"))
+    # a second stage and k chosen once, on other rows
+    stale = {"enabled": True, "weight": 0.5, "shortlist": 5, "cost_model": "ranker.costmodel.json"}
+    like = Ranker.load(like.fit(ds.X, ds.y, ds.groups).save(tmp_path / "like.json", top_k=5, stage2=stale))
+    rep = train([tmp_path], out=tmp_path / "new.json", ds=ds, like=like, evaluate_like=True, programs=False)
+    new = Ranker.load(tmp_path / "new.json")
+    assert (new.objective, new.feature_groups, new.n_estimators) == (like.objective, like.feature_groups, 20)
+    # its leave-one-network-out on these rows decided k and AdaptiveK's gap; no stage was carried over
+    assert set(rep["configs"]) == {rep["config"]} and rep["leave_one_network_out"]["top1"] > 0
+    assert new.metadata["policy"]["gap"] > 0 and new.metadata.get("stage2") is None
+    assert rep["refit_like"]["model_sha256"] == like.metadata["model_sha256"]

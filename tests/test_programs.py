@@ -115,6 +115,29 @@ def test_recommend_reorders_the_shortlist_with_the_cost_model(trained, donor_dir
     assert not (tmp_path / "r2.json").exists()
 
 
+def test_a_second_stage_that_reorders_no_donors_still_orders_the_design_space_draws(
+        trained, donor_dir, tiny_cnn, target, tmp_path, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    # the evaluation left the donors in the ranker's order, and kept the cost model
+    ranker = tmp_path / "models" / "ranker.json"
+    ranker.parent.mkdir()
+    cm_path = programs.cost_model_path(ranker)
+    Ranker.load(trained).save(ranker, stage2={"enabled": False, "weight": 1.0, "shortlist": 0,
+                                              "cost_model": cm_path.name})
+    cm = programs.fit_cost_model([donor_dir], target, n_estimators=30)
+    cm.save(cm_path, **cm.metadata)
+    report = tmp_path / "report.json"
+    assert main(["recommend", str(tiny_cnn), "-o", str(tmp_path / "cnn.so"), "--ranker", str(ranker),
+                 "--donors", str(donor_dir), "--json", str(report), "--data-dir", str(tmp_path / "data"),
+                 "--top-k", "2", "--minor-share", "0", "--tune-missing", "0", "--no-progress"]) == 0
+    measured = [m for k in json.loads(report.read_text())["kernels"] for m in k["measured"]]
+    draws = [m for m in measured if m["donor"].startswith("design-space/")]
+    donors = [m for m in measured if not m["donor"].startswith("design-space/")]
+    assert donors and all(m["cost_score"] is None for m in donors)  # no donor was transferred to be scored
+    # the draws a kernel had to choose among were scored (a single draw has nothing to order)
+    assert any(m["cost_score"] is not None for m in draws)
+
+
 def test_leave_one_out_of_a_model_no_donor_came_from_keeps_the_rankers_cost_model(
         trained, donor_dir, target, tmp_path, monkeypatch):
     """`recommend my_model.onnx --leave-one-out` leaves nothing out of the store: the second stage
@@ -224,3 +247,28 @@ def test_a_donor_that_tuned_this_very_kernel_here_is_measured_first(donor_dir, t
                    if k.workload_hash != conv.workload_hash and ranking.same_anchor(k, conv))
     assert [c.record.id for c in ranking.rank_kernel(sibling, store, ranker, cpu=here)[:2]] == \
         [c.record.id for c in exact[:2]]
+
+
+def test_program_vectors_of_rows_added_later_cost_only_their_own_transfers(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("TTRANK_CACHE", str(tmp_path / "cache"))
+    transferred = []
+
+    def network_vectors(network, pairs, target_spec):  # stands in for the transfers
+        transferred.extend(rid for _, rid, _, _ in pairs)
+        return {(wh, rid): np.full(programs.WIDTH, len(transferred), np.float32) for wh, rid, _, _ in pairs}
+
+    monkeypatch.setattr(programs, "_network_vectors", network_vectors)
+
+    class Store:
+        def by_record_id(self):
+            return {r: (None, None) for r in ("a/1/0", "b/2/0", "c/3/0")}
+
+    def dataset(records):
+        meta = [{"network": "resnet18", "workload": "w1", "record": r} for r in records]
+        return Dataset(np.zeros((len(meta), 1)), np.ones(len(meta)), [len(meta)], meta)
+
+    first = programs.candidate_vectors(dataset(["a/1/0", "b/2/0"]), Store(), target)
+    assert transferred == ["a/1/0", "b/2/0"]
+    grown = programs.candidate_vectors(dataset(["a/1/0", "b/2/0", "c/3/0", "gone/9/9"]), Store(), target)
+    assert transferred == ["a/1/0", "b/2/0", "c/3/0"]  # the new row alone; a record not in the store none
+    assert np.array_equal(grown[:2], first) and grown[2, 0] == 3 and np.isnan(grown[3]).all()

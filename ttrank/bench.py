@@ -59,15 +59,15 @@ def metaschedule_dir(net: str) -> Path | None:
 
 
 def ranker_id() -> str:
-    """The shipped ranker (and its second stage, if enabled) in a few characters: a result
-    measured with another one is not current."""
+    """The shipped ranker (and its second stage's cost model, if it has one) in a few
+    characters: a result measured with another one is not current."""
     ranker = locations.shipped_ranker()
     meta = json.loads(meta_path(ranker).read_text())
     out = meta["model_sha256"][:12]
     st = meta.get("stage2") or {}
-    if st.get("enabled"):
+    if st.get("cost_model"):
         cm = json.loads(meta_path(cost_model_path(ranker)).read_text())
-        out += f"+{cm['model_sha256'][:8]}/w{st['weight']}/n{st['shortlist']}"
+        out += f"+{cm['model_sha256'][:8]}" + (f"/w{st['weight']}/n{st['shortlist']}" if st.get("enabled") else "/draws")
     return out
 
 
@@ -126,7 +126,7 @@ def warm_leave_one_out(net: str) -> None:
     ranker = Ranker.load()
     store = DonorStore.load()
     ranker_without(net, ranker, store)
-    if (ranker.metadata.get("stage2") or {}).get("enabled"):
+    if (ranker.metadata.get("stage2") or {}).get("cost_model"):
         cost_model_without([net], [Path(r.work_dir) for r in store.reports], make_target())
 
 

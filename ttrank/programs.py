@@ -16,21 +16,23 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from joblib import Parallel, delayed
 
 from . import locations, zoo
 from .errors import RankerError, TTRankError
 from .kernels import extract
 from .layouts import PACKED_LAYOUTS
 from .ranker import BoosterModel
-from .target import cpu_tensor_intrinsics, make_target, target_key
+from .target import cpu_tensor_intrinsics, host_cores, make_target, target_key
 from .transfer import transfer
-from .util import cache_dir, fill_caches, sha256_of
+from .util import cache_dir, file_lock, fill_caches, orphan_safe, sha256_of
 from .workdir import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE, db_file, network_of, open_database
 
 log = logging.getLogger("ttrank")
@@ -316,47 +318,87 @@ def _record_target_key(target) -> str:
     return target_key({str(k): str(v) for k, v in target.export().items()})
 
 
+def _candidates_path(network: str, target) -> Path:
+    """Where :func:`candidate_vectors` keeps a network's candidates' vectors for ``target``: one
+    file that grows with the tables (a new row transfers only its own candidate)."""
+    import tvm  # its version is part of the name
+
+    key = hashlib.sha1(json.dumps([target_key(target), PROGRAM_FEATURE_VERSION, tvm.__version__]).encode())
+    return cache_dir() / "program_features" / "candidates" / f"{network}-{key.hexdigest()[:12]}.npz"
+
+
+def _read_candidates(path: Path) -> dict[tuple[str, str], np.ndarray]:
+    """A candidates cache file as {(workload hash, record id): vector}; a NaN vector is a
+    candidate that has no program to read (its transfer was rejected)."""
+    if not path.exists():
+        return {}
+    z = np.load(path, allow_pickle=False)
+    return {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
+
+
+def _network_vectors(network: str, pairs: list[tuple[str, str, Any, Any]], target_spec: dict) -> \
+        dict[tuple[str, str], np.ndarray] | None:
+    """Vectors of one zoo network's candidates ``pairs`` ((workload hash, record id, donor
+    workload, donor record)), each transferred onto the network's kernel again; None when the
+    network cannot be rebuilt (rows of a user's own model)."""
+    target = make_target(target_spec)
+    wanted = {wh for wh, *_ in pairs}
+    try:
+        # the tables hold rows of both imports (exact math before it became the default)
+        kernels = {k.workload_hash: k for fast in (False, True)
+                   for k in extract(zoo.load(f"zoo:{network}", fast_math=fast).mod, target)}
+        for layout in PACKED_LAYOUTS:  # rows of the packed-conv layouts too
+            if not wanted <= kernels.keys():
+                kernels.update((k.workload_hash, k) for k in extract(
+                    zoo.load(f"zoo:{network}", layout=layout, target=target).mod, target))
+    except TTRankError as e:
+        log.info("no program features for %s: %s", network, e)
+        return None
+    featurizer = Featurizer(target)
+    out = {}
+    none = np.full(WIDTH, np.nan, np.float32)
+    for wh, rid, w, r in pairs:
+        c = transfer(r, kernels[wh], w, target) if wh in kernels else None
+        out[(wh, rid)] = featurizer.of_module(c.mod) if c is not None and c.ok else none
+    return out
+
+
 def candidate_vectors(ds, store, target) -> np.ndarray:
     """Program vectors of a dataset's candidates, each transferred onto its target kernel again
-    (about 0.1-0.3 s each; cached per network under the cache dir, by the rows' ids)."""
-    featurizer = Featurizer(target)
+    (about 0.1-0.3 s each, one network per core; cached per network and target, so rows added
+    to the tables later cost only their own transfers). NaN where there is no program."""
     rec_of = store.by_record_id()
     out = np.full((len(ds.meta), WIDTH), np.nan, dtype=np.float32)
-    for net in ds.networks:
-        rows = [i for i, m in enumerate(ds.meta) if m["network"] == net]
-        keys = sorted({(ds.meta[i]["workload"], ds.meta[i]["record"]) for i in rows})
-        digest = hashlib.sha1(json.dumps([keys, PROGRAM_FEATURE_VERSION]).encode()).hexdigest()[:12]
-        path = cache_dir() / "program_features" / "candidates" / f"{net}-{digest}.npz"
-        if path.exists():
-            z = np.load(path, allow_pickle=False)
-            vec = {tuple(k.split("|", 1)): v for k, v in zip(z["keys"], z["X"])}
-        else:
-            try:  # rows of the user's own models have no program to rebuild: they stay NaN
-                # the tables hold rows of both imports (exact math before it became the default)
-                kernels = {k.workload_hash: k for fast in (False, True)
-                           for k in extract(zoo.load(f"zoo:{net}", fast_math=fast).mod, target)}
-                for layout in PACKED_LAYOUTS:  # rows of the packed-conv layouts too
-                    if any(wh not in kernels for wh, _ in keys):
-                        kernels.update((k.workload_hash, k) for k in extract(
-                            zoo.load(f"zoo:{net}", layout=layout, target=target).mod, target))
-            except TTRankError as e:
-                log.info("no program features for %s: %s", net, e)
+    rows_of: dict[str, list[int]] = {}
+    for i, m in enumerate(ds.meta):
+        rows_of.setdefault(m["network"], []).append(i)
+    known, todo = {}, {}
+    for net, rows in rows_of.items():
+        known[net] = _read_candidates(_candidates_path(net, target))
+        keys = sorted({(ds.meta[i]["workload"], ds.meta[i]["record"]) for i in rows} - known[net].keys())
+        pairs = [(wh, rid, *rec_of[rid]) for wh, rid in keys if rid in rec_of]
+        if pairs:
+            todo[net] = pairs
+    if todo:
+        nets = sorted(todo, key=lambda n: -len(todo[n]))  # the longest first: the cores end together
+        log.info("program features of %d candidates of %d networks", sum(map(len, todo.values())), len(nets))
+        spec = json.loads(str(target))
+        found = Parallel(n_jobs=min(host_cores(), len(nets)))(
+            delayed(orphan_safe(_network_vectors))(n, todo[n], spec) for n in nets)
+        for net, vec in zip(nets, found):
+            if vec is None:
                 continue
-            vec = {}
-            for wh, rid in keys:
-                if rid not in rec_of or wh not in kernels:
-                    continue
-                w, r = rec_of[rid]
-                c = transfer(r, kernels[wh], w, target)
-                if c.ok:
-                    vec[(wh, rid)] = featurizer.of_module(c.mod)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.stem + ".tmp.npz")
-            np.savez_compressed(tmp, keys=np.array([f"{a}|{b}" for a, b in vec], dtype=str),
-                                X=np.stack(list(vec.values())) if vec else np.zeros((0, WIDTH), np.float32))
-            tmp.replace(path)
+            path = _candidates_path(net, target)
+            with file_lock(path):  # another process may have added candidates meanwhile
+                known[net] = {**_read_candidates(path), **vec}
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.stem + f".{os.getpid()}.tmp.npz")
+                np.savez_compressed(tmp, keys=np.array([f"{a}|{b}" for a, b in known[net]], dtype=str),
+                                    X=np.stack(list(known[net].values())))
+                tmp.replace(path)
+    for net, rows in rows_of.items():
         for i in rows:
-            v = vec.get((ds.meta[i]["workload"], ds.meta[i]["record"]))
+            v = known[net].get((ds.meta[i]["workload"], ds.meta[i]["record"]))
             if v is not None:
                 out[i] = v
     return out

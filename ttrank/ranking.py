@@ -48,7 +48,9 @@ class Candidate:
 @dataclass
 class SecondStage:
     """The ranker's second stage: the top ``shortlist`` candidates are transferred, their
-    programs scored by ``cost_model``, and reordered by ``weight`` x ranker + the rest x cost."""
+    programs scored by ``cost_model``, and reordered by ``weight`` x ranker + the rest x cost.
+    ``shortlist`` 0: the donors keep the ranker's order, and the cost model orders only what has
+    no ranker score (a small design space's draws)."""
 
     weight: float
     shortlist: int
@@ -58,10 +60,11 @@ class SecondStage:
     @classmethod
     def of(cls, ranker: Ranker, store: DonorStore, target,
            exclude_networks=frozenset()) -> SecondStage | None:
-        """The stage the ranker's evaluation kept, else None. Leave-one-out runs get a cost
-        model that never saw the excluded networks' tuning logs."""
+        """The stage the ranker's evaluation chose (shortlist 0 where it reorders no donors),
+        None without a cost model. Leave-one-out runs get a cost model that never saw the
+        excluded networks' tuning logs."""
         st = ranker.metadata.get("stage2") or {}
-        if not st.get("enabled"):
+        if not st.get("cost_model"):
             return None
         # a network the store does not hold (a user's model under --leave-one-out) changes
         # nothing: the shipped model, not a minute's refit
@@ -71,7 +74,7 @@ class SecondStage:
         else:
             path = Path(ranker.path).with_name(st["cost_model"]) if ranker.path else default_cost_model()
             cm = CostModel.load(path)
-        return cls(float(st["weight"]), int(st["shortlist"]), cm, Featurizer(target))
+        return cls(float(st["weight"]), int(st["shortlist"]) if st.get("enabled") else 0, cm, Featurizer(target))
 
 
 def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,

@@ -152,14 +152,16 @@ def choose_stage2(ds: Dataset, ranker_scores: np.ndarray, cost_scores: np.ndarra
 def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None = None,
           out: str | Path | None = None, objectives: tuple[str, ...] = OBJECTIVES,
           n_estimators: int = 300, ds: Dataset | None = None, programs: bool = True,
-          target=None, like: Ranker | None = None) -> dict:
+          target=None, like: Ranker | None = None, evaluate_like: bool = False) -> dict:
     """Train and save the ranker; returns the evaluation report. ``ds``: the dataset, if the
     caller already built it from the same dirs and store. ``programs``: also evaluate the second
     stage (:mod:`ttrank.programs`) and, if it helps, save its cost model beside the ranker.
     ``out``: the ranker file (default: the shipped one, :func:`ttrank.locations.shipped_ranker`).
     ``like``: refit with that ranker's settings (config, k, second stage and its cost model)
     instead of choosing them again by leave-one-out: a minute instead of a quarter of an hour,
-    for a bounded budget such as ``adapt``'s."""
+    for a bounded budget such as ``adapt``'s. With ``evaluate_like``, only the configuration is
+    copied: its leave-one-network-out on this data chooses the second stage, k and AdaptiveK's
+    gap again (a second stage chosen on other rows can cost more than it gains)."""
     out = Path(out) if out is not None else locations.shipped_ranker()
     dirs = measurement_dirs if measurement_dirs is not None else default_measurement_dirs()
     if ds is None:
@@ -171,9 +173,14 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report: dict = {"rows": int(len(ds.y)), "groups": len(ds.groups), "networks": ds.networks,
                     "configs": {}}
     configs = candidate_configs(objectives)
-    best = configs[0]
-    if like is not None:
+    if like is not None and not evaluate_like:
         return _refit_like(like, ds, dirs, out, report)
+    if like is not None:
+        params = like_params(like, ds)
+        n_estimators = params.pop("n_estimators")
+        configs = [params]
+        report["refit_like"] = _copied(like)
+    best = configs[0]
     if len(ds.networks) >= 2:
         best, results = select_config(ds, configs, n_estimators)
         report["configs"] = {k: {kk: v for kk, v in r.items() if kk != "scores"} for k, r in results.items()}
@@ -195,10 +202,12 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
         report["stage2_table"] = {k: v["average"] for k, v in stage2["table"].items()}
         if stage2["enabled"]:
             loo = stage2["average"]
-            cm = fit_cost_model(work_dirs, target)
-            cm_path = cost_model_path(out)
-            cm.save(cm_path, **cm.metadata)
-            report["stage2"]["cost_model"] = cm_path.name
+        # kept even where reordering the donors' shortlist does not help: the cost model alone
+        # orders a small design space's draws, which have no ranker score
+        cm = fit_cost_model(work_dirs, target)
+        cm_path = cost_model_path(out)
+        cm.save(cm_path, **cm.metadata)
+        report["stage2"]["cost_model"] = cm_path.name
     # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores
     report["top_k"] = choose_top_k(loo, max_k=5)
     if len(ds.networks) >= 2:
@@ -231,24 +240,34 @@ def calibrate_policy(ds: Dataset, scores: np.ndarray, top_k: int, full_share: fl
             "fixed_candidates": curve["fixed"]["candidates"]}
 
 
-def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: dict) -> dict:
-    """:func:`train` with the configuration the evaluation chose for ``like`` (objective, feature
-    groups, number of trees): no evaluation, the same second stage. The trees' other settings
-    are :class:`Ranker`'s defaults, as :func:`train` uses them (bench/ranker_levers.py measures
-    them). One exception: rows of CPUs of different vector classes (AVX2 and AVX-512) are
-    learned with the CPU features (``c``). Without them the classes' labels contradict each
-    other: with znver1's 353 AVX2 rows added, emeraldrapids' pooled leave-one-out top-1 fell
-    from 0.832 to 0.756 without them, and was 0.840 with them."""
+def like_params(like: Ranker, ds: Dataset) -> dict:
+    """The configuration the evaluation chose for ``like`` (objective, feature groups, number of
+    trees), to refit on ``ds``. The trees' other settings are :class:`Ranker`'s defaults, as
+    :func:`train` uses them (bench/ranker_levers.py measures them). One exception: rows of CPUs
+    of different vector classes (AVX2 and AVX-512) are learned with the CPU features (``c``).
+    Without them the classes' labels contradict each other: with znver1's 353 AVX2 rows added,
+    emeraldrapids' pooled leave-one-out top-1 fell from 0.832 to 0.756 without them, and was
+    0.840 with them."""
     params = {k: v for k, v in like.get_params().items() if k in ("objective", "feature_groups", "n_estimators")}
     if "c" not in params["feature_groups"] and len(data_vector_classes(ds)) > 1:
         params["feature_groups"] = (*params["feature_groups"], "c")
-    # which ranker it copied, by content (its path is one machine's)
-    copied = {k: like.metadata.get(k) for k in ("date", "model_sha256", "training_rows")}
-    report.update(config=config_label(params), objective=params["objective"], refit_like=copied,
+    return params
+
+
+def _copied(like: Ranker) -> dict:
+    """Which ranker a refit copied, by content (its path is one machine's)."""
+    return {k: like.metadata.get(k) for k in ("date", "model_sha256", "training_rows")}
+
+
+def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: dict) -> dict:
+    """:func:`train` with the configuration the evaluation chose for ``like``
+    (:func:`like_params`): no evaluation, the same second stage."""
+    params = like_params(like, ds)
+    report.update(config=config_label(params), objective=params["objective"], refit_like=_copied(like),
                   top_k=like.metadata.get("top_k") or 3, leave_one_network_out=None,
                   policy=like.metadata.get("policy"))
     stage2 = like.metadata.get("stage2")
-    if stage2 and stage2.get("enabled") and like.path is not None:
+    if stage2 and stage2.get("cost_model") and like.path is not None:
         # the cost model learned the donors' tuning logs, not the measurements: it carries over
         cm = CostModel.load(Path(like.path).with_name(stage2["cost_model"]))
         cm.save(cost_model_path(out), **cm.metadata)
