@@ -341,6 +341,36 @@ def test_a_worker_stuck_with_the_gil_held_is_killed_not_waited_for():
         pool.shutdown()
 
 
+def test_a_stuck_worker_is_killed_with_the_processes_it_started(tmp_path):
+    """A build worker links with a compiler it starts: a worker killed for overrunning takes
+    such children with it, instead of leaving them to run on."""
+    import psutil
+    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    from ttrank import workers
+
+    def start_a_child_and_hang(path: str) -> None:  # in a worker (a local function goes by value)
+        import ctypes
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "600"])
+        open(path, "w").write(str(child.pid))
+        ctypes.PyDLL(None).pause()
+
+    pool = workers.guard(PopenPoolExecutor(max_workers=1, timeout=1.0), grace_s=2.0)
+    try:
+        [stuck] = pool.map_with_error_catching(start_a_child_and_hang, [str(tmp_path / "child")])
+        assert stuck.status == StatusKind.EXCEPTION and isinstance(stuck.value, ChildProcessError)
+    finally:
+        pool.shutdown()
+    child = int((tmp_path / "child").read_text())
+    deadline = time.time() + 5
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE \
+            and time.time() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_guarded_worker_that_crashes_dies_without_a_crash_handler():
     """TVM installs a crash handler that prints a backtrace, which needs the heap a crash may
     have corrupted: a guarded pool's workers leave fatal signals to the system, so such a

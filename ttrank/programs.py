@@ -329,7 +329,8 @@ def _candidates_path(network: str, target) -> Path:
 
 def _read_candidates(path: Path) -> dict[tuple[str, str], np.ndarray]:
     """A candidates cache file as {(workload hash, record id): vector}; a NaN vector is a
-    candidate that has no program to read (its transfer was rejected)."""
+    candidate that has no program to read (its transfer was rejected, or its kernel is not
+    among those its network gives for this target)."""
     if not path.exists():
         return {}
     z = np.load(path, allow_pickle=False)

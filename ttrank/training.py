@@ -155,7 +155,8 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
           target=None, like: Ranker | None = None, evaluate_like: bool = False) -> dict:
     """Train and save the ranker; returns the evaluation report. ``ds``: the dataset, if the
     caller already built it from the same dirs and store. ``programs``: also evaluate the second
-    stage (:mod:`ttrank.programs`) and, if it helps, save its cost model beside the ranker.
+    stage (:mod:`ttrank.programs`), which reorders the donors' shortlist only if that helps, and
+    save its cost model beside the ranker (it orders design-space draws either way).
     ``out``: the ranker file (default: the shipped one, :func:`ttrank.locations.shipped_ranker`).
     ``like``: refit with that ranker's settings (config, k, second stage and its cost model)
     instead of choosing them again by leave-one-out: a minute instead of a quarter of an hour,

@@ -10,7 +10,8 @@ waited forever on the worker (the CPU idle, no timeout ever answered).
 
 :func:`guard` fixes both ends: a worker started by a guarded pool dies on a fatal signal (the
 parent's read ends at once, and the call fails like any crashed candidate), and a watchdog
-thread here kills a worker whose call overran the pool's timeout by ``grace_s``.
+thread here kills a worker whose call overran the pool's timeout by ``grace_s``, with every
+process it started (a linker, a pool of its own), which would otherwise live on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 import time
 import weakref
 
+import psutil
 from tvm.support.popen_pool import PopenPoolExecutor
 
 # what a worker past its timeout gets before it is killed: the deadline also covers starting a
@@ -101,7 +103,19 @@ def _kill_overdue(pool: PopenPoolExecutor) -> None:
         # the same call still running (not a next one of that thread that began meanwhile)
         if proc is not None and pool._ttrank_started.get(tid) is call:
             # the waiting thread's read then ends, and the pool cleans up as for a crash
-            with contextlib.suppress(OSError):
-                proc.send_signal(signal.SIGKILL)
+            kill_tree(proc.pid)
         if pool._ttrank_started.get(tid) is call:
             del pool._ttrank_started[tid]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it. Its children are found first: once it is
+    dead they belong to init, and nothing would find them."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
