@@ -8,8 +8,9 @@ on each CPU's rows (:func:`ttrank.evaluate.by_cpu`), and leave one CPU out; each
 score by a few points. Levers: the settings shipped until 2026-12-07, fewer trees per round, more
 rounds, the ranking objectives, features relative to the kernel's other candidates, the donor
 record's measured record on the nearest workload it was measured on (a memory of the training
-rows), bagging three seeds, and (``--programs``, about 40 minutes of transfers on a cold cache)
-MetaSchedule's program features of the transferred candidate as ranker features. ``--only``
+rows), bagging three seeds, a blend with a ranker of the row's own CPU's rows alone, and
+(``--programs``, about 10 minutes of transfers on 2 cores on a cold cache) MetaSchedule's
+program features of the transferred candidate as ranker features. ``--only``
 runs some levers beside the shipped settings. Writes bench/results/ranker_levers.json and .md.
 """
 
@@ -137,6 +138,48 @@ class RecordMemory:
         return out
 
 
+class OwnBlend:
+    """The pooled ranker's score blended with that of a ranker fitted on the row's own CPU's rows
+    alone (``weight`` on the CPU's own; z-scores within each kernel group). X's last column is
+    the row's index into the dataset; a CPU without training rows of its own gets the pooled
+    score alone."""
+
+    def __init__(self, make, own_groups: tuple[str, ...], cpu: np.ndarray, group_of: np.ndarray,
+                 weight: float = 0.5):
+        self.make, self.own_groups, self.cpu, self.group_of, self.weight = make, own_groups, cpu, group_of, weight
+
+    def fit(self, X, y, groups):
+        rows, X = X[:, -1].astype(int), X[:, :-1]
+        self.pooled = self.make(None).fit(X, y, groups)
+        self.own = {}
+        for c in np.unique(self.cpu[rows]):
+            at = np.flatnonzero(self.cpu[rows] == c)  # whole kernel groups: a group is one CPU's
+            sizes = np.unique(self.group_of[rows[at]], return_counts=True)[1]
+            order = np.argsort(self.group_of[rows[at]], kind="stable")
+            self.own[c] = self.make(self.own_groups).fit(X[at[order]], y[at[order]], sizes)
+        return self
+
+    def predict(self, X):
+        rows, X = X[:, -1].astype(int), X[:, :-1]
+        pooled = self.pooled.predict(X).astype(np.float64)
+        own = pooled.copy()
+        for c, m in self.own.items():
+            at = np.flatnonzero(self.cpu[rows] == c)
+            if len(at):
+                own[at] = m.predict(X[at])
+        out = np.zeros(len(rows))
+        g = self.group_of[rows]
+        for gid in np.unique(g):
+            at = np.flatnonzero(g == gid)
+            out[at] = self.weight * zscore(own[at]) + (1 - self.weight) * zscore(pooled[at])
+        return out
+
+
+def zscore(v: np.ndarray) -> np.ndarray:
+    sd = v.std()
+    return (v - v.mean()) / sd if sd > 0 else np.zeros_like(v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
@@ -171,6 +214,7 @@ def main() -> None:
     dsx = Dataset(np.hstack([ds.X[:, cols], np.arange(len(ds.y), dtype=np.float32)[:, None]]),
                   ds.y, ds.groups, ds.meta)
     w = len(cols)
+    dsi = Dataset(np.hstack([ds.X, np.arange(len(ds.y), dtype=np.float32)[:, None]]), ds.y, ds.groups, ds.meta)
     rel = [FEATURE_NAMES.index(n) for n in RELATIVE]
     levers = {
         "shipped settings": (ds, lambda s: Ranker(**{**base, "seed": s})),
@@ -184,6 +228,9 @@ def main() -> None:
         "the record's relevance on its nearest workload": (dsx, lambda s: Extra(
             Ranker(**{**base, "seed": s}), RecordMemory(shape, meta["record"], meta["mcpu"], meta["network"]), w)),
         "3 seeds bagged": (ds, lambda s: Bagged(lambda k: Ranker(**{**base, "seed": 3 * s + k}), 3)),
+        "blended with a ranker of the CPU's own rows": (dsi, lambda s: OwnBlend(
+            lambda fg: Ranker(**{**base, "seed": s, **({"feature_groups": fg} if fg else {})}),
+            tuple(g for g in base["feature_groups"] if g != "c"), meta["mcpu"], group_of)),
     }
     if args.programs:
         from ttrank.programs import candidate_vectors
