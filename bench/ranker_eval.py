@@ -230,7 +230,8 @@ def cpus_only(args) -> None:
                  "configs": {}, "provenance": provenance()}
     lines = ["# The ranker per CPU and on a CPU it never saw", "",
              f"{out['rows']} measured candidates in {out['kernel_groups']} kernel groups. Written by "
-             "`python bench/ranker_eval.py --cpus-only` (the shipped ranker's settings, "
+             f"`python bench/ranker_eval.py --cpus-only{' --programs' if args.programs else ''}` (the shipped "
+             "ranker's settings, "
              f"{args.trees} trees). Leave one network out, scored on each CPU's rows: trained on that CPU's "
              "rows alone (own), or on every CPU's rows of the other networks (pooled: how the shipped "
              "ranker is trained). Leave one CPU out: trained on the other CPUs' rows.", "",
