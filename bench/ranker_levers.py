@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ttrank.programs import zscore
+
 
 class Extra:
     """A ranker (``ranker``'s parameters) over its feature columns plus those of ``step``, which
@@ -173,11 +175,6 @@ class OwnBlend:
             at = np.flatnonzero(g == gid)
             out[at] = self.weight * zscore(own[at]) + (1 - self.weight) * zscore(pooled[at])
         return out
-
-
-def zscore(v: np.ndarray) -> np.ndarray:
-    sd = v.std()
-    return (v - v.mean()) / sd if sd > 0 else np.zeros_like(v)
 
 
 def main() -> None:
