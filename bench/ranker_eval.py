@@ -215,10 +215,10 @@ def cpus_only(args) -> None:
     from ttrank.bench import results_dir
     from ttrank.collect import build_dataset
     from ttrank.donors import DonorStore, shipped_work_dirs
-    from ttrank.evaluate import by_cpu, group_spans, leave_one_cpu_out, leave_one_network_out, per_cpu, \
-        repeat_agreement
+    from ttrank.evaluate import by_cpu, group_spans, leave_one_cpu_out, leave_one_network_out, own_blended, \
+        per_cpu, repeat_agreement
     from ttrank.locations import shipped_measurements
-    from ttrank.ranker import Ranker
+    from ttrank.ranker import OWN_MIN_ROWS, OWN_WEIGHT, Ranker
     from ttrank.target import provenance
     from ttrank.util import atomic_write_json, atomic_write_text
 
@@ -255,6 +255,19 @@ def cpus_only(args) -> None:
             lines.append(f"| {label} | {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
                          f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | "
                          f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
+    # what recommend ranks with: the pooled ranker, each CPU's own blended in where it has rows enough
+    blended, with_own = own_blended(ds, pooled["scores"], lambda: Ranker(n_estimators=args.trees, feature_groups=groups,
+                                                                         **base), OWN_MIN_ROWS, OWN_WEIGHT)
+    out["own_blend"] = {"min_rows": OWN_MIN_ROWS, "weight": OWN_WEIGHT, "cpus": with_own,
+                        "per_cpu": {c: v["average"] for c, v in by_cpu(ds, blended, pooled["held"]).items()}}
+    lines += ["", f"**What `recommend` ranks with.** The pooled ranker (the shipped features), and on a CPU with "
+              f"at least {OWN_MIN_ROWS} rows its own ranker (trained on its rows of the other networks) "
+              f"blended in at weight {OWN_WEIGHT}: " + ", ".join(with_own) + ".", "",
+              "| CPU | pooled top-1 / top-3 | shipped (with its own) top-1 / top-3 |", "|---|---|---|"]
+    for c, a in out["own_blend"]["per_cpu"].items():
+        p = out["configs"]["+".join((*groups, "c"))]["per_cpu_pooled"][c]["average"]
+        lines.append(f"| {c} | {_fmt(p.get('top1'))} / {_fmt(p.get('top3'))} | "
+                     f"{_fmt(a.get('top1'))} / {_fmt(a.get('top3'))} |")
     if args.programs:
         # what the second stage would make of the pooled ranker's order, per CPU: recommend picks
         # by the ranker alone where the evaluation leaves the donors' shortlist as it is

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ttrank.programs import zscore
-
 
 class Extra:
     """A ranker (``ranker``'s parameters) over its feature columns plus those of ``step``, which
@@ -141,39 +139,25 @@ class RecordMemory:
 
 
 class OwnBlend:
-    """The pooled ranker's score blended with that of a ranker fitted on the row's own CPU's rows
-    alone (``weight`` on the CPU's own; z-scores within each kernel group). X's last column is
-    the row's index into the dataset; a CPU without training rows of its own gets the pooled
+    """The shipped kind of ranker with each CPU's own ranker blended in (:meth:`Ranker.fit_own`,
+    ``Ranker.predict(X, cpu)``). X's last column is the row's index into the dataset (``cpu``:
+    each row's mcpu); a CPU without an own ranker (too few rows, or left out) gets the pooled
     score alone."""
 
-    def __init__(self, make, own_groups: tuple[str, ...], cpu: np.ndarray, group_of: np.ndarray,
-                 weight: float = 0.5):
-        self.make, self.own_groups, self.cpu, self.group_of, self.weight = make, own_groups, cpu, group_of, weight
+    def __init__(self, ranker, cpu: np.ndarray, min_rows: int, weight: float):
+        self.ranker, self.cpu, self.min_rows, self.weight = ranker, cpu, min_rows, weight
 
     def fit(self, X, y, groups):
         rows, X = X[:, -1].astype(int), X[:, :-1]
-        self.pooled = self.make(None).fit(X, y, groups)
-        self.own = {}
-        for c in np.unique(self.cpu[rows]):
-            at = np.flatnonzero(self.cpu[rows] == c)  # whole kernel groups: a group is one CPU's
-            sizes = np.unique(self.group_of[rows[at]], return_counts=True)[1]
-            order = np.argsort(self.group_of[rows[at]], kind="stable")
-            self.own[c] = self.make(self.own_groups).fit(X[at[order]], y[at[order]], sizes)
+        self.ranker.fit(X, y, groups).fit_own(X, y, groups, self.cpu[rows], self.min_rows, self.weight)
         return self
 
     def predict(self, X):
         rows, X = X[:, -1].astype(int), X[:, :-1]
-        pooled = self.pooled.predict(X).astype(np.float64)
-        own = pooled.copy()
-        for c, m in self.own.items():
-            at = np.flatnonzero(self.cpu[rows] == c)
-            if len(at):
-                own[at] = m.predict(X[at])
         out = np.zeros(len(rows))
-        g = self.group_of[rows]
-        for gid in np.unique(g):
-            at = np.flatnonzero(g == gid)
-            out[at] = self.weight * zscore(own[at]) + (1 - self.weight) * zscore(pooled[at])
+        for c in np.unique(self.cpu[rows]):
+            at = np.flatnonzero(self.cpu[rows] == c)
+            out[at] = self.ranker.predict(X[at], c)
         return out
 
 
@@ -192,7 +176,7 @@ def main() -> None:
     from ttrank.evaluate import by_cpu, leave_one_cpu_out, leave_one_network_out
     from ttrank.features import FEATURE_NAMES
     from ttrank.locations import shipped_measurements
-    from ttrank.ranker import Ranker
+    from ttrank.ranker import OWN_MIN_ROWS, OWN_WEIGHT, Ranker
     from ttrank.target import provenance
     from ttrank.util import atomic_write_json, atomic_write_text
 
@@ -225,9 +209,10 @@ def main() -> None:
         "the record's relevance on its nearest workload": (dsx, lambda s: Extra(
             Ranker(**{**base, "seed": s}), RecordMemory(shape, meta["record"], meta["mcpu"], meta["network"]), w)),
         "3 seeds bagged": (ds, lambda s: Bagged(lambda k: Ranker(**{**base, "seed": 3 * s + k}), 3)),
-        "blended with a ranker of the CPU's own rows": (dsi, lambda s: OwnBlend(
-            lambda fg: Ranker(**{**base, "seed": s, **({"feature_groups": fg} if fg else {})}),
-            tuple(g for g in base["feature_groups"] if g != "c"), meta["mcpu"], group_of)),
+        "blended with a ranker of the CPU's own rows (the CPUs with 2,000 rows)": (dsi, lambda s: OwnBlend(
+            Ranker(**{**base, "seed": s}), meta["mcpu"], OWN_MIN_ROWS, OWN_WEIGHT)),
+        "blended with a ranker of the CPU's own rows (every CPU)": (dsi, lambda s: OwnBlend(
+            Ranker(**{**base, "seed": s}), meta["mcpu"], 1, OWN_WEIGHT)),
     }
     if args.programs:
         from ttrank.programs import candidate_vectors

@@ -337,3 +337,96 @@ def test_an_evaluated_refit_copies_the_configuration_and_chooses_the_rest_again(
     assert set(rep["configs"]) == {rep["config"]} and rep["leave_one_network_out"]["top1"] > 0
     assert new.metadata["policy"]["gap"] > 0 and new.metadata.get("stage2") is None
     assert rep["refit_like"]["model_sha256"] == like.metadata["model_sha256"]
+
+
+def _own_cpu_dataset() -> Dataset:
+    """Two CPUs' rows, 60 kernel groups each, and 12 groups of a third CPU measured on few rows."""
+    ds = _two_cpu_dataset(n_groups=132)
+    meta = [{**m, "mcpu": "znver5"} if i >= 120 * 6 else m for i, m in enumerate(ds.meta)]
+    return Dataset(ds.X, ds.y, ds.groups, meta)
+
+
+def test_a_cpu_with_rows_enough_gets_its_own_ranker_blended_into_the_pooled_one(tmp_path):
+    ds = _own_cpu_dataset()
+    cpus = np.array([m["mcpu"] for m in ds.meta])
+    pooled = Ranker(objective="reg:squarederror", n_estimators=20).fit(ds.X, ds.y, ds.groups)
+    plain = pooled.predict(ds.X)
+    pooled.fit_own(ds.X, ds.y, ds.groups, cpus, min_rows=300, weight=0.5)
+    pooled.save(tmp_path / "ranker.json")
+    # znver5's 72 rows are too few for a ranker of its own
+    assert sorted(p.name for p in tmp_path.glob("ranker.own-*.json") if ".meta" not in p.name) == [
+        "ranker.own-emeraldrapids.json", "ranker.own-znver4.json"]
+
+    r = Ranker.load(tmp_path / "ranker.json")
+    assert r.own_cpus() == ["emeraldrapids", "znver4"]
+    own = Ranker.load(tmp_path / "ranker.own-znver4.json")
+    assert "c" not in own.feature_groups  # constant on one CPU's rows
+    np.testing.assert_allclose(r.predict(ds.X, "znver4"), 0.5 * plain + 0.5 * own.predict(ds.X), rtol=1e-5)
+    # a CPU without one, or none named: the pooled ranker alone
+    np.testing.assert_allclose(r.predict(ds.X, "znver5"), plain)
+    np.testing.assert_allclose(r.predict(ds.X), plain)
+
+    # refitted where znver4's rows no longer say which CPU measured them: its file goes
+    r.fit_own(ds.X, ds.y, ds.groups, np.where(cpus == "znver4", "unknown", cpus), min_rows=300)
+    r.save(tmp_path / "ranker.json")
+    assert not (tmp_path / "ranker.own-znver4.json").exists()
+    assert Ranker.load(tmp_path / "ranker.json").own_cpus() == ["emeraldrapids"]
+
+
+def test_an_own_ranker_from_another_fit_is_refused(tmp_path):
+    ds = _own_cpu_dataset()
+    cpus = np.array([m["mcpu"] for m in ds.meta])
+    for name, seed in (("a", 0), ("b", 1)):
+        Ranker(n_estimators=10, seed=seed).fit(ds.X, ds.y, ds.groups).fit_own(
+            ds.X, ds.y, ds.groups, cpus, min_rows=300).save(tmp_path / f"{name}.json")
+    shutil.copy(tmp_path / "b.own-znver4.json", tmp_path / "a.own-znver4.json")
+    shutil.copy(tmp_path / "b.own-znver4.meta.json", tmp_path / "a.own-znver4.meta.json")
+    a = Ranker.load(tmp_path / "a.json")
+    a.predict(ds.X[:3], "emeraldrapids")
+    with pytest.raises(RankerError, match="not the own model"):
+        a.predict(ds.X[:3], "znver4")
+    # copied elsewhere without its own models: the pooled ranker alone, and a warning
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(tmp_path / "b.json", tmp_path / "elsewhere" / "b.json")
+    shutil.copy(tmp_path / "b.meta.json", tmp_path / "elsewhere" / "b.meta.json")
+    c = Ranker.load(tmp_path / "elsewhere" / "b.json")
+    np.testing.assert_allclose(c.predict(ds.X[:3], "znver4"), c.predict(ds.X[:3]))
+
+
+def test_training_blends_in_the_own_rankers_and_evaluates_them_per_cpu(tmp_path):
+    from ttrank.training import train
+
+    ds = _own_cpu_dataset()
+    like = Ranker(objective="reg:squarederror", n_estimators=20)
+    like.fit(ds.X, ds.y, ds.groups).metadata["own"] = {"min_rows": 300, "weight": 0.5, "cpus": {}}
+    like = Ranker.load(like.save(tmp_path / "like.json", top_k=3))
+    rep = train([tmp_path], out=tmp_path / "new.json", ds=ds, like=like, evaluate_like=True, programs=False)
+    new = Ranker.load(tmp_path / "new.json")
+    assert new.own_cpus() == ["emeraldrapids", "znver4"]
+    # the leave-one-network-out evaluation is of what recommend ranks with: per CPU, the pooled
+    # ranker alone and with its own blended in
+    per = rep["own"]["per_cpu"]
+    assert per["znver5"]["own"] is False and per["znver5"]["top1"] == per["znver5"]["top1_pooled"]
+    assert per["znver4"]["own"] is True and 0 < per["znver4"]["top1"] <= 1
+    # a refit without evaluation (adapt's) keeps the rule
+    train([tmp_path], out=tmp_path / "refit.json", ds=ds, like=new, programs=False)
+    assert Ranker.load(tmp_path / "refit.json").own_cpus() == ["emeraldrapids", "znver4"]
+
+
+def test_ranking_for_a_cpu_with_its_own_ranker_blends_it_in(trained, measurements, donor_dir, tiny_cnn, target):
+    import ttrank
+    from ttrank.evaluate import cpu_of_rows
+
+    store = donors.DonorStore.load([donor_dir])
+    ds = collect.build_dataset([measurements], store)
+    ranker = Ranker.load(trained)
+    pooled = ttrank.rank(tiny_cnn, store=store, ranker=ranker, target=target, programs=False)
+    # the tables were measured here: this CPU gets a ranker of its own rows
+    ranker.fit_own(ds.X, ds.y, ds.groups, cpu_of_rows(ds), min_rows=1)
+    assert ranker.own_cpus() == [host_mcpu()]
+    blended = ttrank.rank(tiny_cnn, store=store, ranker=ranker, target=target, programs=False)
+    own = ranker.own_ranker(host_mcpu())
+    for name, cands in blended.items():
+        before = {c.record.id: c.score for c in pooled[name]}
+        for c in cands:
+            assert c.score == pytest.approx(0.5 * before[c.record.id] + 0.5 * float(own.predict(c.row)[0]), rel=1e-5)

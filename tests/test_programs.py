@@ -11,7 +11,8 @@ import pytest
 
 from ttrank import programs
 from ttrank.cli import main
-from ttrank.collect import Dataset
+from ttrank.collect import Dataset, build_dataset
+from ttrank.evaluate import cpu_of_rows
 from ttrank.errors import RankerError
 from ttrank.ranker import Ranker
 from ttrank.training import choose_stage2
@@ -200,24 +201,28 @@ def test_a_leave_one_out_refit_is_fitted_once_and_again_when_its_data_changes(
     data = tmp_path / "measurements"
     shutil.copytree(measurements, data)
     base = Ranker.load(trained)
-    base.metadata["training_networks"] = ["tiny_cnn", "left_out_net"]
     store = DonorStore.load([donor_dir])
+    ds = build_dataset([data], store)
+    cpu = ds.meta[0]["mcpu"]
+    base.fit_own(ds.X, ds.y, ds.groups, cpu_of_rows(ds), min_rows=1)  # this CPU has its own ranker
+    base.metadata["training_networks"] = ["tiny_cnn", "left_out_net"]
     fits = []
     fit = Ranker.fit
     monkeypatch.setattr(Ranker, "fit", lambda self, *a, **kw: fits.append(1) or fit(self, *a, **kw))
 
     first = training.ranker_without("left_out_net", base, store, [data])
     again = training.ranker_without("left_out_net", base, store, [data])
-    assert len(fits) == 1
+    assert len(fits) == 2  # the pooled ranker and the CPU's own, once
     assert again.metadata["left_out"] == "left_out_net"
     assert again.metadata["training_networks"] == ["tiny_cnn"]
+    assert again.own_cpus() == [cpu] and again.own_ranker(cpu).path.parent == again.path.parent
     X = np.random.default_rng(0).random((5, first.width), dtype=np.float32)
-    np.testing.assert_allclose(first.predict(X), again.predict(X))
+    np.testing.assert_allclose(first.predict(X, cpu), again.predict(X, cpu))
 
     table = next(data.glob("*.jsonl"))
     table.write_text(table.read_text() + table.read_text().splitlines(keepends=True)[0])
     training.ranker_without("left_out_net", base, store, [data])
-    assert len(fits) == 2
+    assert len(fits) == 4
 
 
 def test_a_donor_that_tuned_this_very_kernel_here_is_measured_first(donor_dir, trained, target):

@@ -15,6 +15,8 @@ where it buys the most on a CPU the shipped data has not seen.
    kernel, into the user's measurement tables.
 3. **Retraining** the ranker on the shipped tables plus this CPU's rows, into the user's ranker
    (:func:`ttrank.locations.user_ranker`), which :meth:`Ranker.load` prefers from then on.
+   Once this CPU's tables hold :data:`ttrank.ranker.OWN_MIN_ROWS` rows (over several runs),
+   the refit also gives it a ranker of its own rows, which ``recommend`` blends in here.
 
 A kernel's time share comes from its own network's donor run where the store has it (tuned
 latency x count), else from its FLOPs at the network's measured rate.

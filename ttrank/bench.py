@@ -6,6 +6,7 @@ their results."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -68,6 +69,9 @@ def ranker_id() -> str:
     if st.get("cost_model"):
         cm = json.loads(meta_path(cost_model_path(ranker)).read_text())
         out += f"+{cm['model_sha256'][:8]}" + (f"/w{st['weight']}/n{st['shortlist']}" if st.get("enabled") else "/draws")
+    if own := (meta.get("own") or {}).get("cpus"):
+        # the host's own ranker changes its picks too
+        out += "+own" + hashlib.sha256("".join(sorted(v["model_sha256"] for v in own.values())).encode()).hexdigest()[:8]
     return out
 
 

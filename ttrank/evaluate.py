@@ -148,6 +148,35 @@ def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict
     return {"networks": per_net, "average": _averaged(per_net), "scores": scores, "held": held}
 
 
+def network_average(ds: Dataset, scores: np.ndarray) -> dict[str, float]:
+    """Held-out ``scores`` (every network's from a model that never saw it) averaged over the
+    networks, as :func:`leave_one_network_out` averages them."""
+    nets = [m["network"] for m in ds.meta]
+    held: dict[str, list[int]] = defaultdict(list)
+    for i, n in enumerate(nets):
+        held[n].append(i)
+    return _averaged({n: evaluate(ds, scores, rows) for n, rows in sorted(held.items())})
+
+
+def own_blended(ds: Dataset, pooled: np.ndarray, make_own: Callable[[], object], min_rows: int,
+                weight: float) -> tuple[np.ndarray, list[str]]:
+    """Leave-one-network-out ``pooled`` scores with each CPU's own ranker blended in as
+    :meth:`ttrank.ranker.Ranker.predict` does it: for each CPU with at least ``min_rows`` rows,
+    ``make_own()`` learns that CPU's rows of the other networks alone. Returns (scores, the CPUs
+    that got one)."""
+    out = np.asarray(pooled, dtype=np.float64).copy()
+    cpus = cpu_of_rows(ds)
+    blended = []
+    for cpu in sorted(set(cpus.tolist())):
+        rows = np.flatnonzero(cpus == cpu)
+        if cpu == "unknown" or len(rows) < min_rows:
+            continue
+        own = leave_one_network_out(subset(ds, rows), make_own)["scores"]
+        out[rows] = (1 - weight) * out[rows] + weight * own
+        blended.append(str(cpu))
+    return out, blended
+
+
 def by_cpu(ds: Dataset, scores: np.ndarray, held: dict[str, list[int]]) -> dict[str, dict]:
     """Held-out scores (``held``: each network's rows) evaluated on each CPU's rows apart:
     per CPU, the average over the networks it has rows of."""

@@ -336,6 +336,7 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                                           **({"foreign_load_max": busiest.to_json()} if busiest else {}),
                                           "policy": policy.to_json(),
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
+                                          "ranker_own_cpu": cpu["mcpu"] if cpu["mcpu"] in ranker.own_cpus() else None,
                                           "measure_budget_s": measure_budget_s,
                                           "candidates_left_unmeasured": unmeasured},
                   anytime, model.tail and {"ops": model.tail.ops, "nodes": model.tail.nodes,

@@ -82,12 +82,13 @@ def rank_kernel(kernel: Kernel, store: DonorStore, ranker: Ranker,
     """Every compatible donor schedule for ``kernel``, scored and sorted best first, for the
     CPU ``cpu`` describes (:func:`ttrank.target.cpu_description`; None: unknown). Records of
     this very kernel (or its anchor op) tuned on that CPU with its threads (:func:`tuned_here`)
-    lead, the kernel's own first, fastest first."""
+    lead, the kernel's own first, fastest first. A CPU with an own ranker (:meth:`Ranker.fit_own`)
+    gets it blended in."""
     pairs = store.compatible(kernel, set(exclude_networks))
     if not pairs:
         return []
     rows = store.pair_rows(kernel, pairs, cpu)
-    scores = ranker.predict(rows)
+    scores = ranker.predict(rows, (cpu or {}).get("mcpu"))  # with the CPU's own ranker, if it has one
     cands = [Candidate(kernel, w, r, float(s), x) for (w, r), s, x in zip(pairs, scores, rows)]
     cands.sort(key=lambda c: -c.score)
     # a donor that tuned this very kernel (or its anchor op, under another epilogue) on this CPU

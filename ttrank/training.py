@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,12 @@ from . import locations
 from .collect import Dataset, build_dataset, collect_networks
 from .donors import DonorStore, add_work_dir
 from .errors import RankerError, TTRankError
-from .evaluate import (KEYS, baseline_scores, by_cpu, choose_top_k, evaluate, group_spans,
-                       leave_one_network_out, policy_curve)
+from .evaluate import (KEYS, baseline_scores, by_cpu, choose_top_k, cpu_of_rows, evaluate, group_spans,
+                       leave_one_network_out, network_average, own_blended, policy_curve, subset)
 from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
-from .ranker import OBJECTIVES, Ranker
+from .ranker import OBJECTIVES, OWN_MIN_ROWS, OWN_WEIGHT, Ranker
 from .ranking import AdaptiveK, FixedK
 from .target import make_target, provenance, vector_class
 from .util import cache_dir, sha256_of
@@ -123,12 +124,7 @@ def choose_stage2(ds: Dataset, ranker_scores: np.ndarray, cost_scores: np.ndarra
     help, and with which blend weight and shortlist length? Enabled only if it beats the ranker
     alone on the mean of top-1 and top-3 by at least half a point."""
     spans = group_spans(ds)
-    nets = ds.networks
-
-    def average(scores) -> dict:
-        per = {n: evaluate(ds, scores, [a for a, _ in spans if ds.meta[a]["network"] == n]) for n in nets}
-        per = [v for v in per.values() if v]
-        return {k: float(np.mean([v[k] for v in per])) for k in per[0]} if per else {}
+    average = partial(network_average, ds)
 
     def goal(a: dict) -> float:
         return (a.get("top1", 0.0) + a.get("top3", 0.0)) / 2
@@ -191,6 +187,12 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report["config"] = config_label(best)
     report["objective"] = best["objective"]
     loo = report["configs"].get(report["config"], {}).get("average") or {}
+    own = own_spec(like)
+    scores = None
+    if len(ds.networks) >= 2:
+        # what recommend ranks with: the pooled ranker, and each CPU's own blended in where it has one
+        scores, report["own"] = evaluate_own(ds, results[report["config"]]["scores"], best, n_estimators, **own)
+        loo = network_average(ds, scores)
     report["leave_one_network_out"] = loo or None
     stage2 = None
     if programs and len(ds.networks) >= 2:
@@ -198,7 +200,7 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
         store = store or DonorStore.load()  # loading it takes seconds: only when needed
         work_dirs = [Path(r.work_dir) for r in store.reports]
         cost = loo_cost_scores(ds, store, target, work_dirs)
-        stage2 = choose_stage2(ds, results[report["config"]]["scores"], cost)
+        stage2 = choose_stage2(ds, scores, cost)
         report["stage2"] = {k: v for k, v in stage2.items() if k != "table"}
         report["stage2_table"] = {k: v["average"] for k, v in stage2["table"].items()}
         if stage2["enabled"]:
@@ -212,10 +214,38 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     # at most 5: measuring more per kernel would break recommend's 3-minute budget on 2 cores
     report["top_k"] = choose_top_k(loo, max_k=5)
     if len(ds.networks) >= 2:
-        report["policy"] = calibrate_policy(ds, results[report["config"]]["scores"], report["top_k"])
-    ranker = Ranker(n_estimators=n_estimators, **best).fit(ds.X, ds.y, ds.groups)
+        report["policy"] = calibrate_policy(ds, scores, report["top_k"])
+    ranker = _fit(Ranker(n_estimators=n_estimators, **best), ds, own)
     _save(ranker, out, ds, dirs, report)
     return report
+
+
+def own_spec(ranker: Ranker | None) -> dict:
+    """The own-CPU rankers' rule (``min_rows``, ``weight``) of ``ranker``, else the defaults."""
+    spec = (ranker.metadata.get("own") if ranker is not None else None) or {}
+    return {"min_rows": int(spec.get("min_rows", OWN_MIN_ROWS)), "weight": float(spec.get("weight", OWN_WEIGHT))}
+
+
+def evaluate_own(ds: Dataset, pooled: np.ndarray, config: dict, n_estimators: int, min_rows: int,
+                 weight: float) -> tuple[np.ndarray, dict]:
+    """The pooled configuration's leave-one-network-out ``pooled`` scores with each CPU's own
+    ranker blended in (:func:`ttrank.evaluate.own_blended`), and per CPU both evaluations."""
+    groups = tuple(g for g in config["feature_groups"] if g != "c")
+    scores, cpus = own_blended(ds, pooled, lambda: Ranker(n_estimators=n_estimators, **{**config, "feature_groups": groups}),
+                               min_rows, weight)
+    held = {n: [i for i, m in enumerate(ds.meta) if m["network"] == n] for n in ds.networks}
+    before, after = by_cpu(ds, pooled, held), by_cpu(ds, scores, held)
+    per_cpu = {c: {"rows": after[c]["rows"], "own": c in cpus,
+                   **{f"{k}_pooled": before[c]["average"].get(k) for k in ("top1", "top3")},
+                   **{k: after[c]["average"].get(k) for k in ("top1", "top3")}} for c in after}
+    return scores, {"min_rows": min_rows, "weight": weight, "cpus": cpus, "per_cpu": per_cpu}
+
+
+def _fit(ranker: Ranker, ds: Dataset, own: dict | None) -> Ranker:
+    """``ranker`` fitted on ``ds``, with the own rankers ``own`` asks for (:func:`own_spec`;
+    None: none)."""
+    ranker.fit(ds.X, ds.y, ds.groups)
+    return ranker if own is None else ranker.fit_own(ds.X, ds.y, ds.groups, cpu_of_rows(ds), **own)
 
 
 # AdaptiveK's score gaps to calibrate over: the scores' scale depends on the objective (a
@@ -273,7 +303,7 @@ def _refit_like(like: Ranker, ds: Dataset, dirs: list[Path], out: Path, report: 
         cm = CostModel.load(Path(like.path).with_name(stage2["cost_model"]))
         cm.save(cost_model_path(out), **cm.metadata)
         report["stage2"] = {**stage2, "cost_model": cost_model_path(out).name}
-    ranker = Ranker(**params).fit(ds.X, ds.y, ds.groups)
+    ranker = _fit(Ranker(**params), ds, own_spec(like))
     _save(ranker, out, ds, dirs, report)
     return report
 
@@ -312,17 +342,12 @@ def ranker_without(network: str, base: Ranker, store: DonorStore | None = None,
     except RankerError:
         pass
     ds = build_dataset(dirs, store)
-    keep, groups, start = [], [], 0
-    for g in ds.groups:
-        rows = [i for i in range(start, start + g) if ds.meta[i]["network"] != network
-                and ds.meta[i].get("donor_network") != network]
-        if rows:
-            keep += rows
-            groups.append(len(rows))
-        start += g
-    r = Ranker(**base.get_params()).fit(ds.X[keep], ds.y[keep], groups)
-    r.metadata = {**base.metadata, "training_networks": [n for n in ds.networks if n != network],
-                  "left_out": network}
+    keep = [i for i, m in enumerate(ds.meta) if m["network"] != network and m.get("donor_network") != network]
+    r = Ranker(**base.get_params())
+    r.metadata = {**{k: v for k, v in base.metadata.items() if k != "own"},
+                  "training_networks": [n for n in ds.networks if n != network], "left_out": network}
+    # the CPUs' own rankers never see the network either
+    _fit(r, subset(ds, keep), own_spec(base) if base.own_cpus() else None)
     r.save(path)
     return r
 
