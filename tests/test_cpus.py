@@ -24,7 +24,7 @@ from ttrank.features import CPU_NAMES, FEATURE_NAMES, cpu_features
 from ttrank.holdout import hold_out_cpu, row_cpu, tuned_on
 from ttrank.layouts import simd_lanes
 from ttrank.ranker import Ranker, meta_path
-from ttrank.target import (cpu_busy_now, cpu_description, host_mattr, host_mcpu, host_triple, make_target,
+from ttrank.target import (cpu_busy_now, cpu_description, host_cores, host_mattr, host_mcpu, host_triple, make_target,
                            provenance, target_isa)
 from ttrank.templates import accumulators
 from ttrank.util import read_jsonl
@@ -61,6 +61,11 @@ AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 
 
 @pytest.mark.skipif(not host_triple().startswith("x86_64"), reason="x86 feature flags")
+def test_a_target_named_without_its_core_count_runs_on_this_hosts_cores():
+    assert int(make_target("llvm -mcpu=znver1").attrs["num-cores"]) == host_cores()
+    assert int(make_target("llvm -mcpu=znver1 -num-cores=1").attrs["num-cores"]) == 1
+
+
 def test_the_host_target_fits_the_features_the_cpu_reports():
     # a hypervisor that hides AVX-512 behind a Zen 4's model: the code must not use it
     mattr = host_mattr("znver4", AVX2_FLAGS)

@@ -403,6 +403,11 @@ def make_target(spec: str | dict | None = None):
     import tvm
 
     d = parse_target(spec)
+    triple = str(d.get("mtriple") or host_triple())
+    if d.get("kind") == "llvm" and "num-cores" not in d and triple.split("-")[0] == host_triple().split("-")[0]:
+        # MetaSchedule refuses a CPU target without its core count ("llvm -mcpu=znver1" failed
+        # as an internal error): one for this host's architecture runs here, on its cores
+        d["num-cores"] = host_cores()
     try:
         return tvm.target.Target(d)
     except Exception as e:
