@@ -606,6 +606,8 @@ def cmd_train(args) -> int:
     elif st:
         con.print(f"second stage (program cost model) left out: it gained {st.get('gain', 0):+.3f}")
     for cpu, a in ((report.get("own") or {}).get("per_cpu") or {}).items():
+        if a.get("top1_pooled") is None:  # no kernel of it could be scored
+            continue
         mine = f"with its own ranker {a['top1']:.3f} / {a['top3']:.3f}" if a["own"] else "no own ranker"
         con.print(f"  {cpu} ({a['rows']} rows): top-1 / top-3 pooled {a['top1_pooled']:.3f} / "
                   f"{a['top3_pooled']:.3f}, {mine}")
