@@ -402,7 +402,7 @@ def test_training_blends_in_the_own_rankers_and_evaluates_them_per_cpu(tmp_path)
     from ttrank.training import train
 
     ds = _own_cpu_dataset()
-    like = Ranker(objective="reg:squarederror", n_estimators=20)
+    like = Ranker(objective="reg:squarederror", n_estimators=10)
     like.fit(ds.X, ds.y, ds.groups).metadata["own"] = {"min_rows": 300, "weight": 0.5, "cpus": {}}
     like = Ranker.load(like.save(tmp_path / "like.json", top_k=3))
     rep = train([tmp_path], out=tmp_path / "new.json", ds=ds, like=like, evaluate_like=True, programs=False)
