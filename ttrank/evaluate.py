@@ -148,14 +148,18 @@ def leave_one_network_out(ds: Dataset, make_model: Callable[[], object]) -> dict
     return {"networks": per_net, "average": _averaged(per_net), "scores": scores, "held": held}
 
 
+def rows_by_network(ds: Dataset) -> dict[str, list[int]]:
+    """Each network's rows, as :func:`leave_one_network_out` holds them out."""
+    held: dict[str, list[int]] = defaultdict(list)
+    for i, m in enumerate(ds.meta):
+        held[m["network"]].append(i)
+    return dict(sorted(held.items()))
+
+
 def network_average(ds: Dataset, scores: np.ndarray) -> dict[str, float]:
     """Held-out ``scores`` (every network's from a model that never saw it) averaged over the
     networks, as :func:`leave_one_network_out` averages them."""
-    nets = [m["network"] for m in ds.meta]
-    held: dict[str, list[int]] = defaultdict(list)
-    for i, n in enumerate(nets):
-        held[n].append(i)
-    return _averaged({n: evaluate(ds, scores, rows) for n, rows in sorted(held.items())})
+    return _averaged({n: evaluate(ds, scores, rows) for n, rows in rows_by_network(ds).items()})
 
 
 def own_blended(ds: Dataset, pooled: np.ndarray, make_own: Callable[[], object], min_rows: int,

@@ -16,7 +16,8 @@ from .collect import Dataset, build_dataset, collect_networks
 from .donors import DonorStore, add_work_dir
 from .errors import RankerError, TTRankError
 from .evaluate import (KEYS, baseline_scores, by_cpu, choose_top_k, cpu_of_rows, evaluate, group_spans,
-                       leave_one_network_out, network_average, own_blended, policy_curve, subset)
+                       leave_one_network_out, network_average, own_blended, policy_curve, rows_by_network,
+                       subset)
 from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
@@ -233,7 +234,7 @@ def evaluate_own(ds: Dataset, pooled: np.ndarray, config: dict, n_estimators: in
     groups = tuple(g for g in config["feature_groups"] if g != "c")
     scores, cpus = own_blended(ds, pooled, lambda: Ranker(n_estimators=n_estimators, **{**config, "feature_groups": groups}),
                                min_rows, weight)
-    held = {n: [i for i, m in enumerate(ds.meta) if m["network"] == n] for n in ds.networks}
+    held = rows_by_network(ds)
     before, after = by_cpu(ds, pooled, held), by_cpu(ds, scores, held)
     per_cpu = {c: {"rows": after[c]["rows"], "own": c in cpus,
                    **{f"{k}_pooled": before[c]["average"].get(k) for k in ("top1", "top3")},
