@@ -215,11 +215,12 @@ def cpus_only(args) -> None:
     from ttrank.bench import results_dir
     from ttrank.collect import build_dataset
     from ttrank.donors import DonorStore, shipped_work_dirs
-    from ttrank.evaluate import by_cpu, group_spans, leave_one_cpu_out, leave_one_network_out, own_blended, \
-        per_cpu, repeat_agreement
+    from ttrank.evaluate import by_cpu, group_spans, leave_one_cpu_out, leave_one_network_out, per_cpu, \
+        repeat_agreement
     from ttrank.locations import shipped_measurements
     from ttrank.ranker import OWN_MIN_ROWS, OWN_WEIGHT, Ranker
     from ttrank.target import provenance
+    from ttrank.training import evaluate_own
     from ttrank.util import atomic_write_json, atomic_write_text
 
     store = DonorStore.load(shipped_work_dirs())
@@ -255,19 +256,22 @@ def cpus_only(args) -> None:
             lines.append(f"| {label} | {c} | {r['rows']} | {_fmt(m.get('top1'))} | {_fmt(m.get('top3'))} | "
                          f"{_fmt(p.get('top1'))} | {_fmt(p.get('top3'))} | "
                          f"{_fmt(o.get('top1'))} | {_fmt(o.get('top3'))} |")
-    # what recommend ranks with: the pooled ranker, each CPU's own blended in where it has rows enough
-    blended, with_own = own_blended(ds, pooled["scores"], lambda: Ranker(n_estimators=args.trees, feature_groups=groups,
-                                                                         **base), OWN_MIN_ROWS, OWN_WEIGHT)
-    out["own_blend"] = {"min_rows": OWN_MIN_ROWS, "weight": OWN_WEIGHT, "cpus": with_own,
-                        "per_cpu": {c: v["average"] for c, v in by_cpu(ds, blended, pooled["held"]).items()}}
-    lines += ["", f"**What `recommend` ranks with.** The pooled ranker (the shipped features), and on a CPU with "
-              f"at least {OWN_MIN_ROWS} rows its own ranker (trained on its rows of the other networks) "
-              f"blended in at weight {OWN_WEIGHT}: " + ", ".join(with_own) + ".", "",
-              "| CPU | pooled top-1 / top-3 | shipped (with its own) top-1 / top-3 |", "|---|---|---|"]
-    for c, a in out["own_blend"]["per_cpu"].items():
-        p = out["configs"]["+".join((*groups, "c"))]["per_cpu_pooled"][c]["average"]
-        lines.append(f"| {c} | {_fmt(p.get('top1'))} / {_fmt(p.get('top3'))} | "
-                     f"{_fmt(a.get('top1'))} / {_fmt(a.get('top3'))} |")
+    # what recommend ranks with: the pooled ranker, each CPU's own and family's blended in where
+    # it has them (as python train.py evaluates and chooses it)
+    _, own = evaluate_own(ds, pooled["scores"], {**base, "feature_groups": (*groups, "c")}, args.trees,
+                          OWN_MIN_ROWS, OWN_WEIGHT)
+    out["own_blend"] = own
+    lines += ["", f"**What `recommend` ranks with.** The pooled ranker (the shipped features); on a CPU with "
+              f"at least {OWN_MIN_ROWS} rows its own ranker (trained on its rows of the other networks), and "
+              "on a CPU whose leave-one-network-out its family's ranker improves that too, blended in at weight "
+              f"{OWN_WEIGHT}. Own rankers: {', '.join(own['cpus']) or 'none'}; family rankers for: "
+              f"{', '.join(own['family_for']) or 'none'}.", "",
+              "| CPU | pooled top-1 / top-3 | with its own | with its own and its family's | shipped |",
+              "|---|---|---|---|---|"]
+    for c, a in own["per_cpu"].items():
+        lines.append(f"| {c} | {_fmt(a['top1_pooled'])} / {_fmt(a['top3_pooled'])} | "
+                     f"{_fmt(a['top1_no_family'])} / {_fmt(a['top3_no_family'])} | "
+                     f"{_fmt(a['top1_family'])} / {_fmt(a['top3_family'])} | {_fmt(a['top1'])} / {_fmt(a['top3'])} |")
     if args.programs:
         # what the second stage would make of the pooled ranker's order, per CPU: recommend picks
         # by the ranker alone where the evaluation leaves the donors' shortlist as it is

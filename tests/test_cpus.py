@@ -378,6 +378,40 @@ def test_a_cpu_with_rows_enough_gets_its_own_ranker_blended_into_the_pooled_one(
     assert Ranker.load(tmp_path / "ranker.json").own_cpus() == ["emeraldrapids"]
 
 
+def test_a_cpu_family_ranker_is_blended_in_for_the_cpus_that_chose_it(tmp_path):
+    """znver5's 72 rows are too few for a ranker of its own, but Zen 4 and Zen 5 are one family
+    (AMD, AVX-512): a ranker of both CPUs' rows, with the CPU features, is blended in for the
+    CPUs that chose it (training.evaluate_own chooses by leave-one-network-out)."""
+    ds = _own_cpu_dataset()
+    cpus = np.array([m["mcpu"] for m in ds.meta])
+    r = Ranker(objective="reg:squarederror", n_estimators=20).fit(ds.X, ds.y, ds.groups)
+    plain = r.predict(ds.X)
+    r.fit_own(ds.X, ds.y, ds.groups, cpus, min_rows=300, family_for=["znver5", "emeraldrapids"])
+    r.save(tmp_path / "ranker.json")
+    # emeraldrapids is the only CPU of its family: its own ranker is all it has
+    assert sorted(p.name for p in tmp_path.glob("ranker.own-*.json") if ".meta" not in p.name) == [
+        "ranker.own-emeraldrapids.json", "ranker.own-x86-amd-512.json", "ranker.own-znver4.json"]
+    r = Ranker.load(tmp_path / "ranker.json")
+    assert r.family_cpus() == ["znver5"] and r.metadata["own"]["families"]["x86-amd-512"]["cpus"] == [
+        "znver4", "znver5"]
+    family = Ranker.load(tmp_path / "ranker.own-x86-amd-512.json")
+    assert "c" in family.feature_groups  # its CPUs differ
+    np.testing.assert_allclose(r.predict(ds.X, "znver5"), 0.5 * plain + 0.5 * family.predict(ds.X), rtol=1e-5)
+    own = Ranker.load(tmp_path / "ranker.own-znver4.json")
+    np.testing.assert_allclose(r.predict(ds.X, "znver4"), 0.5 * plain + 0.5 * own.predict(ds.X), rtol=1e-5)
+    # a CPU of the family that never measured a row did not choose it: the pooled ranker alone
+    np.testing.assert_allclose(r.predict(ds.X, "znver3"), plain)
+
+    # a CPU with both: at weight 0.5 each, the three are averaged
+    r.fit_own(ds.X, ds.y, ds.groups, cpus, min_rows=300, family_for=["znver4"])
+    r.save(tmp_path / "ranker.json")
+    r = Ranker.load(tmp_path / "ranker.json")
+    own, family = (Ranker.load(tmp_path / f"ranker.own-{n}.json") for n in ("znver4", "x86-amd-512"))
+    np.testing.assert_allclose(r.predict(ds.X, "znver4"), (plain + own.predict(ds.X) + family.predict(ds.X)) / 3,
+                               rtol=1e-5)
+    np.testing.assert_allclose(r.predict(ds.X, "znver5"), plain)
+
+
 def test_an_own_ranker_from_another_fit_is_refused(tmp_path):
     ds = _own_cpu_dataset()
     cpus = np.array([m["mcpu"] for m in ds.meta])
@@ -410,12 +444,24 @@ def test_training_blends_in_the_own_rankers_and_evaluates_them_per_cpu(tmp_path)
     assert new.own_cpus() == ["emeraldrapids", "znver4"]
     # the leave-one-network-out evaluation is of what recommend ranks with: per CPU, the pooled
     # ranker alone and with its own blended in
+    # ranker alone and with its own and its family's blended in; each CPU with a family ranker
+    # (Zen 4 and 5 here) takes it where that helps it
     per = rep["own"]["per_cpu"]
-    assert per["znver5"]["own"] is False and per["znver5"]["top1"] == per["znver5"]["top1_pooled"]
+    assert rep["own"]["families"] == ["x86-amd-512"] and set(rep["own"]["family_for"]) <= {"znver4", "znver5"}
+    assert new.family_cpus() == rep["own"]["family_for"]
+    for cpu, a in per.items():
+        chose = a["family"]
+        assert chose == (cpu in rep["own"]["family_for"])
+        assert (a["top1"], a["top3"]) == ((a["top1_family"], a["top3_family"]) if chose else
+                                          (a["top1_no_family"], a["top3_no_family"]))
+        if chose:
+            assert a["top1_family"] + a["top3_family"] > a["top1_no_family"] + a["top3_no_family"]
+    assert per["znver5"]["own"] is False and per["znver5"]["top1_no_family"] == per["znver5"]["top1_pooled"]
     assert per["znver4"]["own"] is True and 0 < per["znver4"]["top1"] <= 1
-    # a refit without evaluation (adapt's) keeps the rule
+    # a refit without evaluation (adapt's) keeps the rule and the choice
     train([tmp_path], out=tmp_path / "refit.json", ds=ds, like=new, programs=False)
-    assert Ranker.load(tmp_path / "refit.json").own_cpus() == ["emeraldrapids", "znver4"]
+    refit = Ranker.load(tmp_path / "refit.json")
+    assert refit.own_cpus() == ["emeraldrapids", "znver4"] and refit.family_cpus() == new.family_cpus()
 
 
 def test_ranking_for_a_cpu_with_its_own_ranker_blends_it_in(trained, measurements, donor_dir, tiny_cnn, target):

@@ -608,7 +608,8 @@ def cmd_train(args) -> int:
     for cpu, a in ((report.get("own") or {}).get("per_cpu") or {}).items():
         if a.get("top1_pooled") is None:  # no kernel of it could be scored
             continue
-        mine = f"with its own ranker {a['top1']:.3f} / {a['top3']:.3f}" if a["own"] else "no own ranker"
+        blend = " and ".join(n for n, on in (("its own ranker", a["own"]), ("its family's", a.get("family"))) if on)
+        mine = f"with {blend} {a['top1']:.3f} / {a['top3']:.3f}" if blend else "the pooled ranker alone"
         con.print(f"  {cpu} ({a['rows']} rows): top-1 / top-3 pooled {a['top1_pooled']:.3f} / "
                   f"{a['top3_pooled']:.3f}, {mine}")
     if before:

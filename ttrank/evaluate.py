@@ -18,6 +18,7 @@ from joblib import Parallel, delayed
 
 from .collect import Dataset
 from .features import FEATURE_NAMES
+from .ranker import families_of, family_ranker_families, own_ranker_cpus
 from .ranking import FixedK
 from .transfer import REJECTED
 from .target import host_cores
@@ -162,23 +163,32 @@ def network_average(ds: Dataset, scores: np.ndarray) -> dict[str, float]:
     return _averaged({n: evaluate(ds, scores, rows) for n, rows in rows_by_network(ds).items()})
 
 
-def own_blended(ds: Dataset, pooled: np.ndarray, make_own: Callable[[], object], min_rows: int,
-                weight: float) -> tuple[np.ndarray, list[str]]:
-    """Leave-one-network-out ``pooled`` scores with each CPU's own ranker blended in as
-    :meth:`ttrank.ranker.Ranker.predict` does it: for each CPU with at least ``min_rows`` rows,
-    ``make_own()`` learns that CPU's rows of the other networks alone. Returns (scores, the CPUs
-    that got one)."""
-    out = np.asarray(pooled, dtype=np.float64).copy()
+def own_scores(ds: Dataset, make_own: Callable[[], object], make_family: Callable[[], object] | None,
+               min_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Leave-one-network-out scores of the rankers :meth:`ttrank.ranker.Ranker.fit_own` fits
+    beside the pooled one: each CPU's own (``make_own()`` learns that CPU's rows of the other
+    networks alone; for the CPUs with at least ``min_rows`` rows) and each CPU family's
+    (``make_family()`` learns the family's rows; :func:`ttrank.ranker.family_ranker_families`).
+    Returns (own, family) scores, NaN on the rows of a CPU or family without one."""
     cpus = cpu_of_rows(ds)
-    blended = []
-    for cpu in sorted(set(cpus.tolist())):
+    fams = families_of(cpus)
+    own, family = np.full(len(ds.y), np.nan), np.full(len(ds.y), np.nan)
+    for cpu in own_ranker_cpus(cpus, min_rows):
         rows = np.flatnonzero(cpus == cpu)
-        if cpu == "unknown" or len(rows) < min_rows:
-            continue
-        own = leave_one_network_out(subset(ds, rows), make_own)["scores"]
-        out[rows] = (1 - weight) * out[rows] + weight * own
-        blended.append(str(cpu))
-    return out, blended
+        own[rows] = leave_one_network_out(subset(ds, rows), make_own)["scores"]
+    for fam in family_ranker_families(cpus, min_rows) if make_family is not None else ():
+        rows = np.flatnonzero(fams == fam)
+        family[rows] = leave_one_network_out(subset(ds, rows), make_family)["scores"]
+    return own, family
+
+
+def blended(pooled: np.ndarray, weight: float, *others: np.ndarray) -> np.ndarray:
+    """``pooled`` scores with ``others`` (NaN on rows without that ranker) blended in as
+    :meth:`ttrank.ranker.Ranker.predict` does: each at ``weight`` against the pooled ``1 - weight``."""
+    stack = np.vstack([np.asarray(o, dtype=np.float64) for o in others])
+    n = (~np.isnan(stack)).sum(axis=0)
+    pooled = np.asarray(pooled, dtype=np.float64)
+    return ((1 - weight) * pooled + weight * np.nansum(stack, axis=0)) / ((1 - weight) + weight * n)
 
 
 def by_cpu(ds: Dataset, scores: np.ndarray, held: dict[str, list[int]]) -> dict[str, dict]:

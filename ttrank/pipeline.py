@@ -37,7 +37,7 @@ from .runtime import (CompiledModel, alternate_ms, check_against_onnxruntime, co
                       drop_stale_tail, stage_tail, tail_path, write_database)
 from .space import SMALL_SPACE_DRAWS, SPACE_NETWORK, draw_seconds, small_space, space_candidates
 from .templates import template_candidates
-from .target import (ForeignLoad, cpu_description, host_cores, host_mcpu, is_foreign, make_target, provenance,
+from .target import (ForeignLoad, cpu_description, cpu_family, host_cores, host_mcpu, is_foreign, make_target, provenance,
                      target_key)
 from .training import ranker_without
 from .transfer import Transferred, postprocessors, transfer
@@ -337,6 +337,8 @@ def recommend(model: LoadedModel, *, target=None, store: DonorStore | None = Non
                                           "policy": policy.to_json(),
                                           "ranker_data_cpus": data_cpus(ranker.metadata),
                                           "ranker_own_cpu": cpu["mcpu"] if cpu["mcpu"] in ranker.own_cpus() else None,
+                                          "ranker_family": (cpu_family(cpu["mcpu"])
+                                                            if cpu["mcpu"] in ranker.family_cpus() else None),
                                           "measure_budget_s": measure_budget_s,
                                           "candidates_left_unmeasured": unmeasured},
                   anytime, model.tail and {"ops": model.tail.ops, "nodes": model.tail.nodes,

@@ -15,7 +15,7 @@ from joblib import Parallel, delayed
 from . import locations
 from .errors import RankerError
 from .features import FEATURE_GROUPS, FEATURE_NAMES, FEATURE_VERSION, group_columns
-from .target import host_cores
+from .target import cpu_family, host_cores
 from .util import atomic_write_bytes, atomic_write_json, orphan_safe
 
 log = logging.getLogger(__name__)
@@ -25,8 +25,39 @@ OBJECTIVES = ("rank:ndcg", "rank:pairwise", "reg:squarederror")
 # A CPU's own ranker (fitted on its rows alone) is blended with the pooled one at this weight,
 # for CPUs with at least OWN_MIN_ROWS rows: bench/ranker_levers.py, leave one network out, 3
 # seeds. Own rankers of thinner data (znver5's 852 rows, measured under load) lowered its picks.
+# A CPU family's ranker (its CPUs' rows, with the CPU features) is blended in at the same weight,
+# for the CPUs whose leave-one-network-out it improves (training.evaluate_own): with both, the
+# three are averaged (3 seeds: emeraldrapids top-1 0.863 -> 0.871, where 0.5 / 0.25 / 0.25 gave 0.861).
 OWN_WEIGHT = 0.5
 OWN_MIN_ROWS = 2000
+
+
+def own_ranker_cpus(cpus: np.ndarray, min_rows: int) -> list[str]:
+    """The CPUs among ``cpus`` (each row's mcpu) that get an own ranker: named ones with at
+    least ``min_rows`` rows."""
+    names, counts = np.unique(np.asarray(cpus), return_counts=True)
+    return [str(c) for c, n in zip(names, counts) if c and c != "unknown" and n >= min_rows]
+
+
+def families_of(cpus: np.ndarray) -> np.ndarray:
+    """Each row's CPU family (:func:`ttrank.target.cpu_family`; "" where unknown)."""
+    cpus = np.asarray(cpus)
+    names = {c: cpu_family(str(c)) or "" for c in set(cpus.tolist()) if c and c != "unknown"}
+    return np.array([names.get(c, "") for c in cpus.tolist()], dtype=object)
+
+
+def family_ranker_families(cpus: np.ndarray, min_rows: int) -> dict[str, list[str]]:
+    """The CPU families among ``cpus`` (each row's mcpu) that can have a family ranker, with their
+    CPUs: at least two CPUs with rows (one CPU's rows are its own ranker's) and ``min_rows``
+    rows together."""
+    cpus = np.asarray(cpus)
+    fams = families_of(cpus)
+    out = {}
+    for f in sorted(set(fams.tolist()) - {""}):
+        members = sorted(set(cpus[fams == f].tolist()))
+        if len(members) >= 2 and int((fams == f).sum()) >= min_rows:
+            out[f] = members
+    return out
 
 
 def relevance(latencies: list[float | None]) -> np.ndarray:
@@ -154,61 +185,85 @@ class Ranker(BoosterModel):
         return params
 
     def fit_own(self, X: np.ndarray, y: np.ndarray, groups: list[int] | np.ndarray,
-                cpus: np.ndarray, min_rows: int = OWN_MIN_ROWS, weight: float = OWN_WEIGHT) -> Ranker:
+                cpus: np.ndarray, min_rows: int = OWN_MIN_ROWS, weight: float = OWN_WEIGHT,
+                family_for: list[str] | tuple[str, ...] | None = ()) -> Ranker:
         """Fit each CPU's own ranker on its rows alone (``cpus``: each row's mcpu), for the CPUs
-        with at least ``min_rows``; :meth:`predict` for such a CPU blends it in at ``weight``.
-        Its settings are this ranker's without the CPU features (constant on one CPU)."""
+        with at least ``min_rows``, and for the CPUs ``family_for`` their family's ranker, on
+        the rows of every CPU of it (:func:`family_ranker_families`). :meth:`predict` for such
+        a CPU blends them in, each at ``weight`` against the pooled ranker's ``1 - weight``
+        (at 0.5, the plain mean of the rankers that know the CPU). An own ranker's settings are this ranker's without
+        the CPU features (constant on one CPU); a family's are this ranker's."""
         cpus = np.asarray(cpus)
+        fams = families_of(cpus)
         sizes = np.asarray(groups, dtype=int)
         # a kernel group is measured on one CPU: its first row's
-        group_cpu = cpus[np.cumsum(sizes) - sizes] if len(sizes) else cpus[:0]
+        starts = np.cumsum(sizes) - sizes
         own_params = {**self.get_params(), "feature_groups": tuple(g for g in self.feature_groups if g != "c")}
-        todo = [c for c in sorted(set(group_cpu.tolist()))
-                if c and c != "unknown" and int((cpus == c).sum()) >= min_rows]
-        # one CPU per core: each fit is single-threaded (4 CPUs' fits took 40 s one after another)
-        fitted = Parallel(n_jobs=min(len(todo), host_cores()) or 1)(
-            delayed(orphan_safe(_fit_ranker))(own_params, X[cpus == c], y[cpus == c], sizes[group_cpu == c])
-            for c in todo)
-        self.own = dict(zip(todo, fitted))
-        self.metadata["own"] = {"weight": float(weight), "min_rows": int(min_rows),
-                                "cpus": {c: {"rows": int((cpus == c).sum())} for c in self.own}}
+        families = family_ranker_families(cpus, min_rows)
+        family_for = sorted(c for c in family_for or () if cpu_family(c) in families)
+        jobs = [(c, own_params, cpus == c) for c in own_ranker_cpus(cpus, min_rows)]
+        jobs += [(f, self.get_params(), fams == f) for f in sorted({cpu_family(c) for c in family_for})]
+        # one ranker per core: each fit is single-threaded (4 CPUs' fits took 40 s one after another)
+        fitted = Parallel(n_jobs=min(len(jobs), host_cores()) or 1)(
+            delayed(orphan_safe(_fit_ranker))(params, X[rows], y[rows], sizes[rows[starts]])
+            for _, params, rows in jobs)
+        self.own = {name: r for (name, _, _), r in zip(jobs, fitted)}
+        self.metadata["own"] = {
+            "weight": float(weight), "min_rows": int(min_rows),
+            "cpus": {c: {"rows": int((cpus == c).sum())} for c, _, _ in jobs if c not in families},
+            "families": {f: {"rows": int((fams == f).sum()), "cpus": families[f]}
+                         for f, _, _ in jobs if f in families},
+            "family_for": family_for}
         return self
 
     def own_cpus(self) -> list[str]:
         """The CPUs that have an own ranker to blend in."""
         return sorted((self.metadata.get("own") or {}).get("cpus") or {})
 
+    def family_cpus(self) -> list[str]:
+        """The CPUs that blend their family's ranker in."""
+        return sorted((self.metadata.get("own") or {}).get("family_for") or [])
+
     def own_ranker(self, cpu: str | None) -> Ranker | None:
         """``cpu``'s own ranker, None if it has none."""
-        spec = ((self.metadata.get("own") or {}).get("cpus") or {}).get(cpu or "")
+        return self._scoped("cpus", cpu or "")
+
+    def family_ranker(self, cpu: str | None) -> Ranker | None:
+        """The ranker of ``cpu``'s family, None unless ``cpu`` blends it in."""
+        return self._scoped("families", cpu_family(cpu) or "") if cpu in self.family_cpus() else None
+
+    def _scoped(self, section: str, name: str) -> Ranker | None:
+        """The ranker of a CPU or family (``section`` of the own metadata) named ``name``,
+        loaded from beside this one the first time; None if there is none."""
+        spec = ((self.metadata.get("own") or {}).get(section) or {}).get(name)
         if spec is None:
             return None
-        if cpu not in self.own:
+        if name not in self.own:
             if self.path is None or not spec.get("file"):
-                raise RankerError(f"the ranker's own model for {cpu} was never saved")
+                raise RankerError(f"the ranker's own model for {name} was never saved")
             f = self.path.with_name(spec["file"])
             if not f.exists() or not meta_path(f).exists():
                 # copied without it: the pooled ranker alone is still a whole ranker
                 log.warning("%s names %s as its own model for %s, which is missing: ranking with "
-                            "the pooled ranker alone", self.path, f.name, cpu)
-                self.metadata["own"]["cpus"].pop(cpu)
+                            "the pooled ranker alone", self.path, f.name, name)
+                self.metadata["own"][section].pop(name)
                 return None
             own = Ranker.load(f)
             if spec.get("model_sha256") not in (None, own.metadata.get("model_sha256")):
                 raise RankerError(f"{own.path} is not the own model {self.path} was saved with")
-            self.own[cpu] = own
-        return self.own[cpu]
+            self.own[name] = own
+        return self.own[name]
 
     def predict(self, X: np.ndarray, cpu: str | None = None) -> np.ndarray:
         """Scores: higher means expected faster (comparable within one target kernel). ``cpu``
-        (the measuring CPU's mcpu): blend in its own ranker if it has one."""
+        (the measuring CPU's mcpu): blend in its own ranker and its family's if it has them."""
         scores = self._predict(X)
-        own = self.own_ranker(cpu)
-        if own is None:
+        others = [r._predict(X) for r in (self.own_ranker(cpu), self.family_ranker(cpu)) if r is not None]
+        if not others:
             return scores
         w = float(self.metadata["own"]["weight"])
-        # both regress the same relevance: a plain average keeps the scale AdaptiveK's gap reads
-        return (1 - w) * scores + w * own._predict(X)
+        # all regress the same relevance: a weighted average keeps the scale AdaptiveK's gap reads
+        return ((1 - w) * scores + w * np.sum(others, axis=0)) / ((1 - w) + w * len(others))
 
     def _predict(self, X: np.ndarray) -> np.ndarray:
         import xgboost as xgb
@@ -221,24 +276,30 @@ class Ranker(BoosterModel):
     # --- persistence ------------------------------------------------------------------------
     def save(self, path: str | Path, **metadata) -> Path:
         """Write the booster (:func:`write_booster`) and a sidecar ``.meta.json``, both atomically, and
-        each CPU's own ranker beside it (``<stem>.own-<mcpu>.json``, written first: the
-        metadata that names them comes last). Own files of CPUs it no longer has are removed."""
+        each CPU's own ranker and each family's beside it (``<stem>.own-<mcpu or family>.json``,
+        written first: the metadata that names them comes last). Own files it no longer has
+        are removed."""
         path = Path(path)
         meta = {**self.metadata, **metadata}
-        if self.own_cpus():
-            cpus = {}
-            for cpu in self.own_cpus():
-                own = self.own_ranker(cpu)
-                f = path.with_name(f"{path.stem}.own-{cpu}.json")
-                own.save(f, own_of=cpu)
-                cpus[cpu] = {**meta["own"]["cpus"][cpu], "file": f.name,
-                             "model_sha256": own.metadata["model_sha256"]}
-            meta["own"] = {**meta["own"], "cpus": cpus}
+        if meta.get("own"):
+            own = dict(meta["own"])
+            for section in ("cpus", "families"):
+                specs = {}
+                for name, spec in (own.get(section) or {}).items():
+                    r = self._scoped(section, name)
+                    if r is None:  # a missing file (warned about): dropped
+                        continue
+                    f = path.with_name(f"{path.stem}.own-{name}.json")
+                    r.save(f, own_of=name)
+                    specs[name] = {**spec, "file": f.name, "model_sha256": r.metadata["model_sha256"]}
+                own[section] = specs
+            meta["own"] = own
         out = self._write(path, "ranker", {
             "feature_version": FEATURE_VERSION, "feature_names": FEATURE_NAMES,
             "params": self.get_params(), **meta})
         self.path = path
-        kept = {spec["file"] for spec in (meta.get("own") or {}).get("cpus", {}).values()}
+        own = meta.get("own") or {}
+        kept = {spec["file"] for section in ("cpus", "families") for spec in (own.get(section) or {}).values()}
         for stale in path.parent.glob(f"{path.stem}.own-*.json"):
             if stale.name not in kept and not stale.name.endswith(".meta.json"):
                 stale.unlink(missing_ok=True)

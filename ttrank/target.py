@@ -138,6 +138,18 @@ def vector_class(mcpu: str, triple: str = "") -> tuple[float, float] | None:
     return (isa["arm"], isa["vector_bits"]) if isa else None
 
 
+def cpu_family(mcpu: str) -> str | None:
+    """The family of CPUs whose measurements teach each other: architecture, vendor and widest
+    float vector, as "x86-amd-256" (Zen 1-3) or "x86-intel-512". None for a CPU this LLVM does
+    not know. Named from the CPU alone (a row from another host names no triple)."""
+    isa = cpu_description({"mcpu": mcpu})
+    if "vector_bits" not in isa:
+        return None
+    if isa["arm"]:
+        return f"arm-{int(isa['vector_bits'])}" + ("-sve" if isa["sve"] else "")
+    return f"x86-{'amd' if isa['amd'] else 'intel'}-{int(isa['vector_bits'])}"
+
+
 @lru_cache(maxsize=256)
 def _llvm_features(mcpu: str, triple: str = "", mattr: tuple[str, ...] = ()) -> frozenset[str] | None:
     """LLVM's features of ``mcpu`` (with ``mattr``); None for a name this LLVM does not know."""

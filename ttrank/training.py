@@ -15,13 +15,12 @@ from . import locations
 from .collect import Dataset, build_dataset, collect_networks
 from .donors import DonorStore, add_work_dir
 from .errors import RankerError, TTRankError
-from .evaluate import (KEYS, baseline_scores, by_cpu, choose_top_k, cpu_of_rows, evaluate, group_spans,
-                       leave_one_network_out, network_average, own_blended, policy_curve, rows_by_network,
-                       subset)
+from .evaluate import (KEYS, baseline_scores, blended, by_cpu, choose_top_k, cpu_of_rows, evaluate, group_spans,
+                       leave_one_network_out, network_average, own_scores, policy_curve, rows_by_network, subset)
 from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
-from .ranker import OBJECTIVES, OWN_MIN_ROWS, OWN_WEIGHT, Ranker
+from .ranker import OBJECTIVES, OWN_MIN_ROWS, OWN_WEIGHT, Ranker, families_of
 from .ranking import AdaptiveK, FixedK
 from .target import make_target, provenance, vector_class
 from .util import cache_dir, sha256_of
@@ -188,11 +187,15 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
     report["config"] = config_label(best)
     report["objective"] = best["objective"]
     loo = report["configs"].get(report["config"], {}).get("average") or {}
-    own = own_spec(like)
+    # chosen again on this data, like k and the policy (a refit without evaluation copies them)
+    own = {**own_spec(like), "family_for": []}
     scores = None
     if len(ds.networks) >= 2:
-        # what recommend ranks with: the pooled ranker, and each CPU's own blended in where it has one
-        scores, report["own"] = evaluate_own(ds, results[report["config"]]["scores"], best, n_estimators, **own)
+        # what recommend ranks with: the pooled ranker, with each CPU's own and family's rankers
+        # blended in where it has them
+        scores, report["own"] = evaluate_own(ds, results[report["config"]]["scores"], best, n_estimators,
+                                             own["min_rows"], own["weight"])
+        own["family_for"] = report["own"]["family_for"]
         loo = network_average(ds, scores)
     report["leave_one_network_out"] = loo or None
     stage2 = None
@@ -222,24 +225,43 @@ def train(measurement_dirs: list[Path] | None = None, store: DonorStore | None =
 
 
 def own_spec(ranker: Ranker | None) -> dict:
-    """The own-CPU rankers' rule (``min_rows``, ``weight``) of ``ranker``, else the defaults."""
+    """The own and family rankers' rule (``min_rows``, ``weight``, ``family_for``) of
+    ``ranker``, else the defaults (no CPU blends its family in)."""
     spec = (ranker.metadata.get("own") if ranker is not None else None) or {}
-    return {"min_rows": int(spec.get("min_rows", OWN_MIN_ROWS)), "weight": float(spec.get("weight", OWN_WEIGHT))}
+    return {"min_rows": int(spec.get("min_rows", OWN_MIN_ROWS)), "weight": float(spec.get("weight", OWN_WEIGHT)),
+            "family_for": list(spec.get("family_for") or [])}
 
 
 def evaluate_own(ds: Dataset, pooled: np.ndarray, config: dict, n_estimators: int, min_rows: int,
                  weight: float) -> tuple[np.ndarray, dict]:
     """The pooled configuration's leave-one-network-out ``pooled`` scores with each CPU's own
-    ranker blended in (:func:`ttrank.evaluate.own_blended`), and per CPU both evaluations."""
+    ranker blended in, and its family's where that helps it (:func:`ttrank.evaluate.own_scores`):
+    a CPU blends its family's ranker in when that raises its mean of top-1 and top-3, the goal
+    :func:`select_config` chooses by. Returns the scores and, per CPU, the evaluations."""
     groups = tuple(g for g in config["feature_groups"] if g != "c")
-    scores, cpus = own_blended(ds, pooled, lambda: Ranker(n_estimators=n_estimators, **{**config, "feature_groups": groups}),
-                               min_rows, weight)
+    own, family = own_scores(ds, lambda: Ranker(n_estimators=n_estimators, **{**config, "feature_groups": groups}),
+                             lambda: Ranker(n_estimators=n_estimators, **config), min_rows)
     held = rows_by_network(ds)
-    before, after = by_cpu(ds, pooled, held), by_cpu(ds, scores, held)
-    per_cpu = {c: {"rows": after[c]["rows"], "own": c in cpus,
+    cpus = cpu_of_rows(ds)
+    plain, with_family = blended(pooled, weight, own), blended(pooled, weight, own, family)
+    before, without, withf = (by_cpu(ds, sc, held) for sc in (pooled, plain, with_family))
+
+    def goal(a: dict) -> float:
+        return (a["average"].get("top1", 0.0) + a["average"].get("top3", 0.0)) / 2
+
+    family_for = sorted(c for c in without if not np.isnan(family[cpus == c]).all()
+                        and goal(withf[c]) > goal(without[c]))
+    scores = np.where(np.isin(cpus, family_for), with_family, plain)
+    after = by_cpu(ds, scores, held)
+    own_cpus = sorted(set(cpus[~np.isnan(own)].tolist()))
+    per_cpu = {c: {"rows": after[c]["rows"], "own": c in own_cpus, "family": c in family_for,
                    **{f"{k}_pooled": before[c]["average"].get(k) for k in ("top1", "top3")},
+                   **{f"{k}_no_family": without[c]["average"].get(k) for k in ("top1", "top3")},
+                   **{f"{k}_family": withf[c]["average"].get(k) for k in ("top1", "top3")},
                    **{k: after[c]["average"].get(k) for k in ("top1", "top3")}} for c in after}
-    return scores, {"min_rows": min_rows, "weight": weight, "cpus": cpus, "per_cpu": per_cpu}
+    return scores, {"min_rows": min_rows, "weight": weight, "cpus": own_cpus,
+                    "families": sorted(set(families_of(cpus)[~np.isnan(family)].tolist())),
+                    "family_for": family_for, "per_cpu": per_cpu}
 
 
 def _fit(ranker: Ranker, ds: Dataset, own: dict | None) -> Ranker:
