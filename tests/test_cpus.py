@@ -308,7 +308,10 @@ def test_a_cpu_held_out_of_the_shipped_data_is_one_it_has_never_seen(tmp_path):
     root = locations.shipped_donors(required=True)
     tuned_there = {d.name for d in root.iterdir() if d.is_dir() and tuned_on(d, mcpu)}
 
-    held = hold_out_cpu(mcpu, tmp_path / "home")
+    # refitted with the shipped configuration but 10 rounds instead of 300: the view is the point
+    like = Ranker(**{**shipped.get_params(), "n_estimators": 10})
+    like.metadata["own"] = shipped.metadata.get("own")
+    held = hold_out_cpu(mcpu, tmp_path / "home", like=like)
     assert set(held.sets) == tuned_there and held.retrained and held.rows > 0
     with locations.using_home(held.home):
         assert {d.name for d in donors.shipped_work_dirs()}.isdisjoint(tuned_there)
@@ -319,11 +322,13 @@ def test_a_cpu_held_out_of_the_shipped_data_is_one_it_has_never_seen(tmp_path):
         # any whose rows were published after the shipped ranker's last fit
         learned = set(ranker.metadata["data_cpus"])
         assert mcpu not in learned and set(cpus) - {mcpu} <= learned <= {row_cpu(r) or "unknown" for r in rows}
+        # nothing of it: not its own ranker, nor the choice of its family's, made on its rows
+        assert ranker.n_estimators == 10 and mcpu not in ranker.own_cpus() + ranker.family_cpus()
         assert (locations.data_home() / "bench").resolve() == (locations.CHECKOUT / "bench").resolve()
     # the shipped data is untouched, and the view is reused while it does not change
     assert Ranker.load(locations.shipped_ranker()).metadata["data_cpus"] == cpus
     stamp = (held.home / "models" / "ranker.json").stat().st_mtime_ns
-    assert hold_out_cpu(mcpu, tmp_path / "home").fingerprint == held.fingerprint
+    assert hold_out_cpu(mcpu, tmp_path / "home", like=like).fingerprint == held.fingerprint
     assert (held.home / "models" / "ranker.json").stat().st_mtime_ns == stamp
 
 

@@ -9,7 +9,8 @@ data. :func:`hold_out_cpu` builds a view of the data home (``datasets/`` and ``m
   out; the others are linked, not copied;
 - the measurement tables keep every other CPU's rows;
 - the ranker is refitted on those rows with the shipped ranker's settings
-  (:func:`ttrank.training.train` ``like=``), when it had learned the CPU;
+  (:func:`ttrank.training.train` ``like=``), when it had learned the CPU; the CPU does not
+  blend in its family's ranker, which its own rows chose;
 - ``bench/`` is linked: benchmarks run with the view still write to the checkout.
 
 Point ``TTRANK_HOME`` at :attr:`HeldOut.home` (:func:`ttrank.locations.using_home`) and every
@@ -18,6 +19,7 @@ command sees the view. The view is rebuilt only when the shipped data changes.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -66,9 +68,12 @@ def row_cpu(r: dict) -> str | None:
     return (r.get("provenance") or {}).get("mcpu")
 
 
-def fingerprint(source: Path, mcpu: str) -> str:
-    """The source data's files by path, size and mtime (stat only: no log is read)."""
+def fingerprint(source: Path, mcpu: str, like: Ranker | None = None) -> str:
+    """The source data's files by path, size and mtime (stat only: no log is read), and the
+    configuration ``like`` the ranker is refitted with, if one is given."""
     h = hashlib.sha256(f"v{VERSION} {mcpu}".encode())
+    if like is not None:
+        h.update(json.dumps([like.get_params(), training.own_spec(like)], sort_keys=True, default=str).encode())
     for sub in ("datasets/measurements", "datasets/donors", "models"):
         root = source / sub
         if not root.exists():
@@ -80,8 +85,10 @@ def fingerprint(source: Path, mcpu: str) -> str:
     return h.hexdigest()[:24]
 
 
-def hold_out_cpu(mcpu: str, dest: str | Path, source: str | Path | None = None) -> HeldOut:
+def hold_out_cpu(mcpu: str, dest: str | Path, source: str | Path | None = None,
+                 like: Ranker | None = None) -> HeldOut:
     """The data home ``source`` (default: the shipped one) without ``mcpu``, built at ``dest``.
+    ``like``: the configuration to refit the ranker with (default: the source's ranker's).
 
     An existing view of the same source data is reused; otherwise it is built beside ``dest``
     and moved into place, so a killed run never leaves half a view behind.
@@ -90,7 +97,7 @@ def hold_out_cpu(mcpu: str, dest: str | Path, source: str | Path | None = None) 
     source = source.resolve()
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fp = fingerprint(source, mcpu)
+    fp = fingerprint(source, mcpu, like)
     with file_lock(dest.with_name(dest.name + ".lock")):
         old = _read_record(dest)
         if old is not None and old.fingerprint == fp and old.mcpu == mcpu:
@@ -98,7 +105,7 @@ def hold_out_cpu(mcpu: str, dest: str | Path, source: str | Path | None = None) 
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would outlive the move
         try:
-            held = _build(mcpu, source, tmp, fp)
+            held = _build(mcpu, source, tmp, fp, like)
             atomic_write_json(tmp / RECORD, held.to_json())
             if dest.exists():
                 shutil.rmtree(dest)
@@ -120,7 +127,7 @@ def _read_record(dest: Path) -> HeldOut | None:
     return HeldOut(**{**d, "home": dest})
 
 
-def _build(mcpu: str, source: Path, out: Path, fp: str) -> HeldOut:
+def _build(mcpu: str, source: Path, out: Path, fp: str, like: Ranker | None) -> HeldOut:
     held = HeldOut(out, mcpu, str(source), fp)
     datasets = source / "datasets"
     if not datasets.is_dir():
@@ -139,12 +146,18 @@ def _build(mcpu: str, source: Path, out: Path, fp: str) -> HeldOut:
     ranker_path = out / "models" / "ranker.json"
     learned = mcpu in (Ranker.load(ranker_path).metadata.get("data_cpus") or {})
     if learned or held.sets:
+        like = like or Ranker.load(source / "models" / "ranker.json")
+        own = like.metadata.get("own")
+        if own and mcpu in (own.get("family_for") or []):
+            # whether its family's ranker helps it was chosen on its rows: a CPU never seen has no say
+            like = copy.copy(like)  # the caller's stays as it is
+            like.metadata = {**like.metadata, "own": {**own, "family_for": [c for c in own["family_for"] if c != mcpu]}}
         # refit on the rows left, with the donors left (a row's features need its donor)
         with locations.using_home(out):
             training.train([out / "datasets" / "measurements"],
                            DonorStore.load(sorted(p for p in (out / "datasets" / "donors").iterdir()
                                                   if p.is_dir())),
-                           out=ranker_path, like=Ranker.load(source / "models" / "ranker.json"))
+                           out=ranker_path, like=like)
         held.retrained = True
     return held
 

@@ -190,9 +190,9 @@ class Ranker(BoosterModel):
         """Fit each CPU's own ranker on its rows alone (``cpus``: each row's mcpu), for the CPUs
         with at least ``min_rows``, and for the CPUs ``family_for`` their family's ranker, on
         the rows of every CPU of it (:func:`family_ranker_families`). :meth:`predict` for such
-        a CPU blends them in, each at ``weight`` against the pooled ranker's ``1 - weight``
-        (at 0.5, the plain mean of the rankers that know the CPU). An own ranker's settings are this ranker's without
-        the CPU features (constant on one CPU); a family's are this ranker's."""
+        a CPU blends them in, each at ``weight`` against the pooled ranker's ``1 - weight`` (at
+        0.5, the plain mean of the rankers that know the CPU). An own ranker's settings are this
+        ranker's without the CPU features (constant on one CPU); a family's are this ranker's."""
         cpus = np.asarray(cpus)
         fams = families_of(cpus)
         sizes = np.asarray(groups, dtype=int)
@@ -244,8 +244,8 @@ class Ranker(BoosterModel):
             f = self.path.with_name(spec["file"])
             if not f.exists() or not meta_path(f).exists():
                 # copied without it: the pooled ranker alone is still a whole ranker
-                log.warning("%s names %s as its own model for %s, which is missing: ranking with "
-                            "the pooled ranker alone", self.path, f.name, name)
+                log.warning("%s names %s as its own model for %s, which is missing: ranking "
+                            "without it", self.path, f.name, name)
                 self.metadata["own"][section].pop(name)
                 return None
             own = Ranker.load(f)
