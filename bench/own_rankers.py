@@ -66,7 +66,7 @@ def main() -> None:
                   for k in ("top1_pooled", "top3_pooled", "top1_no_family", "top3_no_family",
                             "top1_family", "top3_family", "top1", "top3")
                   for v in [[r["per_cpu"][c][k] for r in runs]] if None not in v}} for c in cpus}
-    out = {"how": " ".join(["python bench/own_rankers.py", *sys.argv[1:]]), "rows": int(len(ds.y)),
+    out = {"how": f"python bench/own_rankers.py --seeds {args.seeds}",  # --out only says where "rows": int(len(ds.y)),
            "kernel_groups": len(ds.groups), "seeds": args.seeds, "min_rows": OWN_MIN_ROWS, "weight": OWN_WEIGHT,
            "params": {k: v for k, v in params.items() if k != "seed"}, "per_cpu": agg, "provenance": provenance()}
 
