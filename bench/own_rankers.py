@@ -17,7 +17,6 @@ Writes bench/results/own_rankers.json and .md.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
