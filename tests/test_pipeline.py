@@ -517,6 +517,12 @@ def test_a_kernel_whose_picks_lose_to_its_untuned_kernel_gets_a_second_look(trai
     assert any(k.measured for k in res.kernels) and not any(k.second_look for k in res.kernels)
 
 
+# Far under the share of tiny_cnn's pool in the model as tuned (its 1.7-3.2 us of 0.57-0.85 ms in 4
+# runs: 0.002-0.005, as the 6-trial donors vary) and far over its share of the untuned model (1e-8).
+# At 0.002, 2 of 6 full-suite runs (2026-12-07) drew donors slow enough to leave the pool minor
+LATE_MINOR = 1e-4
+
+
 @pytest.fixture
 def convs_untuned_very_slow(monkeypatch):
     """The untuned convs made 10,000x slower: as a real model's default conv code is, against
@@ -537,9 +543,7 @@ def test_a_kernel_that_weighs_more_in_the_tuned_model_gets_more_candidates(train
     """How many candidates a kernel gets follows its share of the untuned model, where the convs'
     default code is far slower than tuned. Once the convs are measured, a kernel whose share of
     the model as tuned so far clears ``minor_share`` gets the k that share gives it."""
-    # under the tuned share of tiny_cnn's non-conv kernels, far over their untuned share: at 0.01,
-    # near their tuned share, one CI run (00:17, 2026-12-06) left every one of them minor
-    MINOR = 0.002
+    MINOR = LATE_MINOR
     res = ttrank.recommend(frontend.load(tiny_cnn), store=donors.DonorStore.load([donor_dir]),
                            ranker=Ranker.load(trained), top_k=3, adaptive=False, minor_share=MINOR,
                            data_dir=tmp_path / "data", database_dir=tmp_path / "db",
@@ -565,11 +569,11 @@ def test_a_pool_gets_more_draws_of_its_small_design_space_once_it_matters(traine
     assert small_space(kernels["max_pool2d"]) and small_space(kernels["mean"])
     assert not any(small_space(k) for k in kernels.values() if k.anchor_op.startswith(("conv", "matmul")))
     res = ttrank.recommend(model, store=donors.DonorStore.load([donor_dir]), ranker=Ranker.load(trained),
-                           top_k=3, adaptive=False, minor_share=0.002, data_dir=tmp_path / "data",
+                           top_k=3, adaptive=False, minor_share=LATE_MINOR, data_dir=tmp_path / "data",
                            database_dir=tmp_path / "db", time_model=False, tune_missing=0)
     pool = next(k for k in res.kernels if k.name == "max_pool2d")
     untuned = sum(k.weight * k.untuned_s for k in res.kernels)
-    assert pool.weight * pool.untuned_s < 0.002 * untuned  # minor at first: one draw
+    assert pool.weight * pool.untuned_s < LATE_MINOR * untuned  # minor at first: one draw
     assert pool.late_picks == 2 and len(pool.measured) == 3
     assert all(m["donor"].startswith("design-space/") for m in pool.measured)
     if pool.status == "tuned":  # the fastest draw, if one beat the untuned pool
