@@ -218,7 +218,7 @@ def cpus_only(args) -> None:
     from ttrank.evaluate import by_cpu, group_spans, leave_one_cpu_out, leave_one_network_out, per_cpu, \
         repeat_agreement
     from ttrank.locations import shipped_measurements
-    from ttrank.ranker import OWN_MIN_ROWS, OWN_WEIGHT, Ranker
+    from ttrank.ranker import OWN_MIN_ROWS, OWN_WEIGHT, Ranker, own_feature_groups
     from ttrank.target import provenance
     from ttrank.training import evaluate_own
     from ttrank.util import atomic_write_json, atomic_write_text
@@ -226,7 +226,7 @@ def cpus_only(args) -> None:
     store = DonorStore.load(shipped_work_dirs())
     ds = build_dataset([shipped_measurements(required=True)], store)
     base = {k: v for k, v in Ranker.load().get_params().items() if k not in ("n_estimators", "feature_groups")}
-    groups = tuple(g for g in Ranker.load().feature_groups if g != "c")
+    groups = own_feature_groups(Ranker.load().feature_groups)
     out: dict = {"rows": int(len(ds.y)), "kernel_groups": len(ds.groups), "settings": base,
                  "configs": {}, "provenance": provenance()}
     lines = ["# The ranker per CPU and on a CPU it never saw", "",

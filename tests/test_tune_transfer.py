@@ -669,3 +669,54 @@ def test_a_measurement_beside_other_work_says_how_much_it_took(tiny_cnn, target)
     assert measurements.disturbed(row, cores=0.5)
     assert not measurements.disturbed({**row, "foreign_load": {"others": 0.1, "steal": 0.0}}, cores=0.5)
 
+
+
+def _unmarked(mod):
+    """A fused module as extracted before matmul weights were marked layout-free."""
+    out = mod.clone()
+    for gv, f in mod.functions.items():
+        if f.attrs is not None and kernels.LAYOUT_FREE in f.attrs:
+            out.update_func(gv, f.without_attr(kernels.LAYOUT_FREE))
+    return out
+
+
+def test_a_matmuls_weight_is_packed_once_when_the_model_compiles(donor_dir, target, tmp_path):
+    """A matmul's constant weight is marked layout-free (convs' are not, and no kernel is
+    renamed), so its schedules read it packed in their own order; the compile folds the packing
+    into the constant, and the library takes the model's inputs as they are."""
+    import tvm
+
+    from ttrank import runtime
+
+    model = zoo.load("zoo:tiny_resnet")
+    ks = {k.name: k for k in kernels.extract(model.mod, target)}
+    attrs = {n: k.mod["main"].attrs or {} for n, k in ks.items()}
+    assert {n for n, a in attrs.items() if kernels.LAYOUT_FREE in a} == {"fused_matmul_add8"}
+    assert list(attrs["fused_matmul_add8"][kernels.LAYOUT_FREE]) == [1]  # the weight, not the data or bias
+    # the donor run tuned the marked kernel: its schedule packs the weight
+    db = open_database(donor_dir)
+    assert runtime.has_prepacked_workloads(db)
+    rec = db.get_top_k(db.commit_workload(ks["fused_matmul_add8"].mod), 1)[0]
+    assert "transform_layout" in str(rec.trace)
+    with target, db, tvm.transform.PassContext(opt_level=3):
+        lowered = runtime._database_pipeline(target)(model.mod)
+    names = {gv.name_hint for gv in lowered.functions}
+    assert "fused_matmul_add8_prepacked" in names and not any(n.endswith("_weight_prepack") for n in names)
+    lib = runtime.export(runtime.compile_model(model, target, db), tmp_path / "packed.so")
+    compiled = runtime.CompiledModel.load(lib, model)
+    assert runtime.check_against_onnxruntime(compiled, model).ok
+
+    # a database of unmarked matmuls (a MetaSchedule run's own, or one written before the
+    # marking) compiles them tuned too: its workloads say how the model must be prepared
+    old = tune(model.mod, tmp_path / "old", trials_per_task=2, target=target, only=["fused_matmul_add8"],
+               prepare=_unmarked)
+    assert old is not None
+    old_db = open_database(tmp_path / "old")
+    assert not runtime.has_prepacked_workloads(old_db)
+    for prepack, scheduled in ((False, True), (True, False)):
+        with target, old_db, tvm.transform.PassContext(opt_level=3):
+            low = runtime._database_pipeline(target, prepack)(model.mod)
+        f = next(f for gv, f in low.functions.items() if gv.name_hint.startswith("fused_matmul_add8"))
+        assert bool(f.attrs.get("tirx.is_scheduled")) is scheduled
+    assert runtime.check_against_onnxruntime(runtime.CompiledModel.from_executable(
+        runtime.compile_model(model, target, old_db), model), model).ok

@@ -39,6 +39,12 @@ def own_ranker_cpus(cpus: np.ndarray, min_rows: int) -> list[str]:
     return [str(c) for c, n in zip(names, counts) if c and c != "unknown" and n >= min_rows]
 
 
+def own_feature_groups(feature_groups: tuple[str, ...]) -> tuple[str, ...]:
+    """An own ranker's feature groups: its pooled ranker's without the CPU features, which are
+    constant on one CPU's rows."""
+    return tuple(g for g in feature_groups if g != "c")
+
+
 def families_of(cpus: np.ndarray) -> np.ndarray:
     """Each row's CPU family (:func:`ttrank.target.cpu_family`; "" where unknown)."""
     cpus = np.asarray(cpus)
@@ -198,7 +204,7 @@ class Ranker(BoosterModel):
         sizes = np.asarray(groups, dtype=int)
         # a kernel group is measured on one CPU: its first row's
         starts = np.cumsum(sizes) - sizes
-        own_params = {**self.get_params(), "feature_groups": tuple(g for g in self.feature_groups if g != "c")}
+        own_params = {**self.get_params(), "feature_groups": own_feature_groups(self.feature_groups)}
         families = family_ranker_families(cpus, min_rows)
         family_for = sorted(c for c in family_for or () if cpu_family(c) in families)
         jobs = [(c, own_params, cpus == c) for c in own_ranker_cpus(cpus, min_rows)]

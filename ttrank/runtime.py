@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import CheckError, OutputError, TTRankError
 from .frontend import LoadedModel
+from .kernels import LAYOUT_FREE, mark_prepacked_weights
 from .measure import WarmPoolBuilder
 from .partition import Tail
 from .target import cross_compiler, host_cores, is_foreign, provenance, runtime_threads
@@ -28,28 +29,45 @@ log = logging.getLogger("ttrank")
 
 def compile_model(model: LoadedModel, target, database=None,
                   compile_objects: Callable[[list, Any], list[str]] | None = None,
-                  kept_objects: Callable[[list, Any], dict[str, str]] | None = None):
+                  kept_objects: Callable[[list, Any], dict[str, str]] | None = None,
+                  prepack: bool | None = None):
     """Compile with the default CPU pipeline, or with a MetaSchedule database's schedules.
 
     ``compile_objects(modules, target) -> object files`` (a build pool's): with a database, the
     kernels are compiled in parts, in parallel, and linked as static libraries; LLVM is most of a
     compile, and one module keeps it on one core. ``kept_objects((name, PrimFunc) list, target)
     -> {name: object file}`` (the pool's measured builds): those kernels are linked as they were
-    measured, not compiled again. The executable must then be exported to run.
+    measured, not compiled again. ``prepack``: mark the matmuls' weights layout-free
+    (:func:`ttrank.kernels.mark_prepacked_weights`) as the database's workloads were; None: if
+    any of them is (a MetaSchedule run's own database, or one written before the marking, has
+    unmarked matmuls, which a marked model would leave untuned). The executable must then be
+    exported to run.
     """
     import tvm
 
     if database is None:
         with tvm.transform.PassContext(opt_level=3):
             return tvm.compile(model.mod, target=target)
+    if prepack is None:
+        prepack = has_prepacked_workloads(database)
     if compile_objects is None or host_cores() < 2:  # one core: the parts would only cost more
-        return _compile_whole(model.mod, target, database)
-    return _compile_in_parts(model.mod, target, database, compile_objects, kept_objects)
+        return _compile_whole(model.mod, target, database, prepack)
+    return _compile_in_parts(model.mod, target, database, compile_objects, kept_objects, prepack)
 
 
-def _database_pipeline(target):
+def has_prepacked_workloads(database) -> bool:
+    """Whether any workload of a MetaSchedule ``database`` has buffers marked layout-free."""
+    return any(LAYOUT_FREE in (func.attrs or {})
+               for rec in database.get_all_tuning_records() for func in rec.workload.mod.functions.values())
+
+
+def _database_pipeline(target, prepack: bool = True):
     """MetaSchedule's ``compile_relax`` pipeline (TVM 0.27), the same passes in the same order:
-    the database's keys are the workloads as ``extract_tasks`` prepared them."""
+    the database's keys are the workloads as ``extract_tasks`` prepared them
+    (:func:`ttrank.kernels.fuse`). With ``prepack``, a schedule that packs its matmul's weight
+    has its packing split off and folded into the constant, as TVM's
+    ``static_shape_tuning_pipeline(cpu_weight_prepack=True)`` does; the weights stay constants,
+    so the library's interface is the model's."""
     import tvm
     from tvm import relax
     from tvm.relax import pipeline as rp
@@ -65,13 +83,18 @@ def _database_pipeline(target):
         lower = [t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite()]
         finalize = [t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.KillAfterLastUse(),
                     t.LowerRuntimeBuiltin(), t.ComputePrimValue(), t.VMShapeLower(), t.AttachGlobalSymbol()]
+    mark = [tvm.transform.module_pass(lambda mod, _ctx: mark_prepacked_weights(mod), opt_level=0,
+                                      name="MarkPrepackedWeights")] if prepack else []
+    # the packing (a block SplitLayoutRewritePreproc moves into a function of its own) runs on
+    # the constant weight at compile time; DeadCodeElimination drops the function it leaves
+    packed = [t.SplitLayoutRewritePreproc(), t.FoldConstant(), t.DeadCodeElimination()] if prepack else []
     return tvm.transform.Sequential([
         *dispatch, t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
-        t.MetaScheduleApplyDatabase(), *lower, *finalize])
+        *mark, t.MetaScheduleApplyDatabase(), *packed, *lower, *finalize])
 
 
 def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, Any], list[str]],
-                      kept_objects: Callable[[list, Any], dict[str, str]] | None = None):
+                      kept_objects: Callable[[list, Any], dict[str, str]] | None = None, prepack: bool = True):
     """relax.build with its TIR half compiled in parts by ``compile_objects``, but for the kernels
     ``kept_objects`` already has; all join the executable as static libraries (TVM's ``_vmlink``
     does this for external modules)."""
@@ -80,7 +103,7 @@ def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, An
     from tvm.relax import vm_build
 
     with target, database, tvm.transform.PassContext(opt_level=3):
-        lowered = _database_pipeline(target)(mod)
+        lowered = _database_pipeline(target, prepack)(mod)
     ext_libs = list(lowered.attrs.get("external_mods", [])) if lowered.attrs else []
     constants = dict(lowered.attrs.get("const_name_to_constant", {})) if lowered.attrs else {}
     builder = relax.ExecBuilder()
@@ -99,7 +122,7 @@ def _compile_in_parts(mod, target, database, compile_objects: Callable[[list, An
     except Exception as e:  # a worker's failure: the one-process compile says what is wrong
         log.warning("compiling the kernels in parallel failed (%s); compiling them in one process",
                     str(e).splitlines()[-1] if str(e) else type(e).__name__)
-        return _compile_whole(mod, target, database)
+        return _compile_whole(mod, target, database, prepack)
     libs = [tvm.runtime.load_static_library(o, [gv.name_hint for gv in part.get_global_vars()])
             for o, part in zip(objects, parts)]
     libs += [tvm.runtime.load_static_library(o, [name]) for name, o in kept.items()]
@@ -123,11 +146,14 @@ def compile_in_parallel(model: LoadedModel, target, database, path: str | Path) 
         builder.close()
 
 
-def _compile_whole(mod, target, database):
-    """MetaSchedule's own ``compile_relax``: the kernels in one LLVM module."""
-    from tvm.s_tir import meta_schedule as ms
+def _compile_whole(mod, target, database, prepack: bool = True):
+    """MetaSchedule's own ``compile_relax`` with :func:`_database_pipeline`: the kernels in one
+    LLVM module."""
+    import tvm
+    from tvm import relax
 
-    return ms.relax_integration.compile_relax(database, mod, target, params=None)
+    with target, database, tvm.transform.PassContext(opt_level=3):
+        return relax.build(mod, target=target, relax_pipeline=_database_pipeline(target, prepack))
 
 
 def export(executable, path: str | Path) -> Path:

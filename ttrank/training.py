@@ -20,7 +20,7 @@ from .evaluate import (KEYS, baseline_scores, blended, by_cpu, choose_top_k, cpu
 from .features import FEATURE_GROUPS, FEATURE_VERSION
 from .measure import Measurer
 from .programs import CostModel, cost_model_path, fit_cost_model, loo_cost_scores, rerank_spans
-from .ranker import OBJECTIVES, OWN_MIN_ROWS, OWN_WEIGHT, Ranker, families_of
+from .ranker import OBJECTIVES, OWN_MIN_ROWS, OWN_WEIGHT, Ranker, families_of, own_feature_groups
 from .ranking import AdaptiveK, FixedK
 from .target import make_target, provenance, vector_class
 from .util import cache_dir, sha256_of
@@ -238,7 +238,7 @@ def evaluate_own(ds: Dataset, pooled: np.ndarray, config: dict, n_estimators: in
     ranker blended in, and its family's where that helps it (:func:`ttrank.evaluate.own_scores`):
     a CPU blends its family's ranker in when that raises its mean of top-1 and top-3, the goal
     :func:`select_config` chooses by. Returns the scores and, per CPU, the evaluations."""
-    groups = tuple(g for g in config["feature_groups"] if g != "c")
+    groups = own_feature_groups(config["feature_groups"])
     own, family = own_scores(ds, lambda: Ranker(n_estimators=n_estimators, **{**config, "feature_groups": groups}),
                              lambda: Ranker(n_estimators=n_estimators, **config), min_rows)
     held = rows_by_network(ds)
