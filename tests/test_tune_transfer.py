@@ -671,15 +671,6 @@ def test_a_measurement_beside_other_work_says_how_much_it_took(tiny_cnn, target)
 
 
 
-def _unmarked(mod):
-    """A fused module as extracted before matmul weights were marked layout-free."""
-    out = mod.clone()
-    for gv, f in mod.functions.items():
-        if f.attrs is not None and kernels.LAYOUT_FREE in f.attrs:
-            out.update_func(gv, f.without_attr(kernels.LAYOUT_FREE))
-    return out
-
-
 def test_a_matmuls_weight_is_packed_once_when_the_model_compiles(donor_dir, target, tmp_path):
     """A matmul's constant weight is marked layout-free (convs' are not, and no kernel is
     renamed), so its schedules read it packed in their own order; the compile folds the packing
@@ -709,7 +700,7 @@ def test_a_matmuls_weight_is_packed_once_when_the_model_compiles(donor_dir, targ
     # a database of unmarked matmuls (a MetaSchedule run's own, or one written before the
     # marking) compiles them tuned too: its workloads say how the model must be prepared
     old = tune(model.mod, tmp_path / "old", trials_per_task=2, target=target, only=["fused_matmul_add8"],
-               prepare=_unmarked)
+               prepare=kernels.unmark_prepacked_weights)
     assert old is not None
     old_db = open_database(tmp_path / "old")
     assert not runtime.has_prepacked_workloads(old_db)

@@ -234,7 +234,9 @@ def lever_module(lm: LoadedModel, lever: str, target) -> tuple:
         return layouts.pack_conv2d_nchwc(lm.mod, target=target, lanes=8), None
     if lever == "prepack":
         return lm.mod, relax.transform.AttachAttrLayoutFreeBuffers()
-    return lm.mod, None
+    # the plain levers read the weights as the model holds them (tune's extraction marks a
+    # matmul's weight layout-free, which is the prepack lever)
+    return lm.mod, kernels.unmark_prepacked_weights
 
 
 def read_records(work_dir: Path) -> list[TuningRecord]:

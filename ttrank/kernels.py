@@ -233,6 +233,18 @@ def fuse(mod):
         return mark_prepacked_weights(seq(mod))
 
 
+def unmark_prepacked_weights(mod):
+    """``mod`` (fused) without layout-free marks: as kernels were extracted before
+    :func:`mark_prepacked_weights` (a schedule of it reads its weights as the model holds them)."""
+    out = mod
+    for gv, func in mod.functions.items():
+        if func.attrs is not None and LAYOUT_FREE in func.attrs:
+            if out is mod:
+                out = mod.clone()
+            out.update_func(gv, func.without_attr(LAYOUT_FREE))
+    return out
+
+
 def mark_prepacked_weights(mod):
     """``mod`` (fused) with each matrix product's constant weight marked layout-free, so that a
     schedule's RewriteLayout postprocessor packs it in the order the schedule reads it, once,
